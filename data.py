@@ -1,0 +1,223 @@
+"""Prompts: GSM8K and the embedded synthetic task, chat-template prompts, a
+deterministic per-step order, and the tiny embedded model the CPU default trains."""
+
+import json
+import os
+import random
+import re
+import shutil
+from collections import Counter
+
+SYSTEM_PROMPT = "Solve the problem. End your reply with a line '#### <answer>'."
+HUB_GSM8K = "openai/gsm8k"
+
+
+def parse_gsm8k_answer(text):
+    """Gold number from a GSM8K answer ('... #### 1,234' -> '1234'), or None."""
+    if not isinstance(text, str) or "####" not in text:
+        return None
+    tail = text.rsplit("####", 1)[1].strip().replace(",", "").replace("$", "").strip()
+    if not re.fullmatch(r"-?\d+(?:\.\d+)?(?:/\d+)?", tail):
+        return None
+    return tail
+
+
+# ---------------------------------------------------------------- the synthetic task
+
+NAMES = ["Ann", "Bob", "Cat", "Dan", "Eve", "Finn", "Gus", "Ivy"]
+THINGS = ["apples", "pens", "cards", "coins", "eggs", "books"]
+
+
+def synthetic_problem(rng):
+    """One GSM8K-shaped record: a short word problem with a single-digit sum or
+    difference, so a tiny character-level model can learn it from scratch."""
+    name, thing = rng.choice(NAMES), rng.choice(THINGS)
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    if rng.random() < 0.5:
+        question = f"{name} has {a} {thing} and gets {b} more. How many {thing} now?"
+        answer = f"{a}+{b}={a + b}\n#### {a + b}"
+    else:
+        a, b = max(a, b), min(a, b)
+        question = f"{name} has {a} {thing} and gives away {b}. How many {thing} now?"
+        answer = f"{a}-{b}={a - b}\n#### {a - b}"
+    return {"question": question, "answer": answer}
+
+
+def synthetic_dataset(split, n=None):
+    """Deterministic records; the test split comes from a different seed."""
+    seed, default_n = {"train": (1234, 4096), "test": (98765, 256)}[split]
+    rng = random.Random(seed)
+    return [synthetic_problem(rng) for _ in range(n or default_n)]
+
+
+# ---------------------------------------------------------------- loading and checking rows
+
+
+def read_rows(dataset, split):
+    """Raw rows: 'synthetic', 'gsm8k' (the hub), or a local .jsonl/.json/.parquet path."""
+    if dataset == "synthetic":
+        return synthetic_dataset(split)
+    if dataset in ("gsm8k", HUB_GSM8K):
+        import datasets
+
+        return list(datasets.load_dataset(HUB_GSM8K, "main", split=split))
+    if not os.path.exists(dataset):
+        raise SystemExit(f"--dataset: no such file or dataset name: {dataset}")
+    if dataset.endswith(".jsonl"):
+        with open(dataset) as f:
+            return [_json_or_none(line) for line in f if line.strip()]
+    if dataset.endswith(".json"):
+        with open(dataset) as f:
+            rows = json.load(f)
+        return rows if isinstance(rows, list) else rows.get(split, [])
+    if dataset.endswith(".parquet"):
+        import datasets
+
+        return list(datasets.load_dataset("parquet", data_files=dataset, split="train"))
+    raise SystemExit(f"--dataset: {dataset} is not .jsonl, .json or .parquet")
+
+
+def _json_or_none(line):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
+
+
+def clean_rows(rows, source):
+    """Keep usable rows as {question, gold}; count the rest per cause and say so once."""
+    kept, bad = [], Counter()
+    for row in rows:
+        if not isinstance(row, dict):
+            bad["not a JSON object"] += 1
+        elif "question" not in row or "answer" not in row:
+            bad["missing question or answer field"] += 1
+        elif not isinstance(row["question"], str) or not row["question"].strip():
+            bad["empty question"] += 1
+        elif (gold := parse_gsm8k_answer(row["answer"])) is None:
+            bad["answer without a '#### <number>'"] += 1
+        else:
+            kept.append({"question": row["question"].strip(), "gold": gold})
+    if bad:
+        print(f"{source}: skipped {sum(bad.values())} bad rows: " + ", ".join(f"{n} {c}" for c, n in bad.items()))
+    if not kept:
+        if rows and all(isinstance(r, dict) for r in rows):
+            missing = {"question", "answer"} - set(rows[0])
+            if missing:
+                raise SystemExit(f"{source}: no usable rows; field {sorted(missing)[0]!r} is missing")
+        raise SystemExit(f"{source}: no usable rows")
+    return kept
+
+
+def build_prompts(records, tokenizer, max_prompt_len, source):
+    """Chat-template token ids per record; over-long prompts are dropped and counted once."""
+    out, dropped = [], 0
+    for r in records:
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": r["question"]}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        if len(ids) > max_prompt_len:
+            dropped += 1
+            continue
+        out.append({**r, "prompt_ids": list(ids)})
+    if dropped:
+        print(f"{source}: dropped {dropped} prompts longer than {max_prompt_len} tokens")
+    if not out:
+        raise SystemExit(f"{source}: every prompt is longer than --max-prompt-len {max_prompt_len}")
+    return out
+
+
+def load_prompts(dataset, split, tokenizer, max_prompt_len):
+    source = f"{dataset} [{split}]"
+    return build_prompts(clean_rows(read_rows(dataset, split), source), tokenizer, max_prompt_len, source)
+
+
+# ---------------------------------------------------------------- deterministic order
+
+
+def step_indices(n_records, step, prompts_per_step, seed):
+    """Record indices of one step's batch: a function of (seed, step) alone, so a resumed
+    run sees what an uninterrupted one would. Each epoch is a fresh permutation."""
+    perms, out = {}, []
+    start = step * prompts_per_step
+    for pos in range(start, start + prompts_per_step):
+        epoch, i = divmod(pos, n_records)
+        if epoch not in perms:
+            perms[epoch] = list(range(n_records))
+            random.Random(seed * 1_000_003 + epoch).shuffle(perms[epoch])
+        out.append(perms[epoch][i])
+    return out
+
+
+def shard(items, rank, world):
+    """Contiguous shard `rank` of `world`; len(items) must divide evenly."""
+    per = len(items) // world
+    return items[rank * per : (rank + 1) * per]
+
+
+# ---------------------------------------------------------------- the tiny embedded model
+
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_model_dir():
+    root = os.environ.get("GRPO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "grpo"))
+    tag = "-".join(str(v) for v in TINY.values())
+    return os.path.join(root, f"tiny-qwen2-{tag}")
+
+
+def build_tiny_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>"],
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_tiny_model(path, seed=0):
+    """A random-init Qwen2 with a character vocabulary, saved where vLLM and
+    transformers both load it. Written to a temporary folder and renamed, so a
+    crash never leaves half a model behind."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        **TINY,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    tmp = f"{path}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(tmp)
+    try:
+        os.rename(tmp, path)
+    except OSError:  # another process finished first; its copy is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

@@ -1,0 +1,381 @@
+"""GRPO on plain torch.distributed: the config, the role split, group advantages, the
+policy loss, and the main loop of each role.
+
+    torchrun --nproc_per_node 3 grpo.py --learners 2
+
+Ranks 0..L-1 are learners (FSDP2 over their own group); the rest are samplers, each
+with an in-process vLLM engine. Every step: learner 0 broadcasts weights to the
+samplers, the samplers sample G completions per prompt and score them, the learners
+take the rollouts, compute group advantages and take one optimizer step."""
+
+import argparse
+import dataclasses
+import json
+import os
+import pickle
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALES = ("group", "batch", "none")
+HUB_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+@dataclass
+class Config:
+    model: str = "auto"  # 'tiny', a hub name or a local HF folder; auto: tiny without a GPU, else Qwen2.5-0.5B-Instruct
+    dataset: str = "auto"  # 'synthetic', 'gsm8k' (the hub) or a .jsonl/.json/.parquet path; auto follows --model
+    split: str = "train"
+    learners: int = 1  # ranks 0..learners-1 train; the other ranks sample
+    steps: int = 20
+    prompts_per_step: int = 16
+    group_size: int = 8  # completions per prompt (G)
+    max_new_tokens: int = 0  # 0: 24 for the tiny model, 512 otherwise
+    max_prompt_len: int = 512
+    temperature: float = 1.0
+    lr: float = 0.0  # 0: 1e-3 for the tiny model, 1e-6 otherwise
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    micro_batch_size: int = 8  # sequences per forward/backward on each learner
+    loss_type: str = "grpo"  # grpo | bnpo | dr_grpo | dapo
+    epsilon: float = 0.2
+    epsilon_high: float = 0.0  # 0: same as epsilon; larger is DAPO's clip-higher
+    importance: str = "token"  # token | sequence (GSPO)
+    scale: str = "group"  # advantage scaling: group | batch | none
+    rewards: str = "accuracy,format"  # weighted sum: 'accuracy=1,format=0.5,my.module:fn=2'
+    seed: int = 0
+    out_dir: str = "runs/default"
+    sampler_gpu_memory: float = 0.3  # vLLM's GPU memory fraction (GPU only)
+    sampler_kv_cache_gb: float = 1.0  # vLLM's KV cache size (CPU only)
+    sync_bucket_mb: float = 64.0
+    gradient_checkpointing: bool = False
+
+
+def parse_config(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type is bool or f.type == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            parser.add_argument(flag, type=type(f.default), default=f.default)
+    return Config(**vars(parser.parse_args(argv)))
+
+
+def fail(message):
+    """One clear line and a non-zero exit, before anything heavy loads."""
+    print(f"grpo.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def resolve(cfg, world_size, has_gpu):
+    """Fill the 'auto' fields and check every flag against the world, so a config that
+    cannot work stops here with the flag's name, before any model loads."""
+    from rewards import parse_reward_spec
+
+    if cfg.model == "auto":
+        cfg.model = HUB_MODEL if has_gpu else "tiny"
+    tiny = cfg.model == "tiny"
+    if cfg.dataset == "auto":
+        cfg.dataset = "synthetic" if tiny else "gsm8k"
+    cfg.max_new_tokens = cfg.max_new_tokens or (24 if tiny else 512)
+    cfg.lr = cfg.lr or (1e-3 if tiny else 1e-6)
+    cfg.epsilon_high = cfg.epsilon_high or cfg.epsilon
+    samplers = world_size - cfg.learners
+    if cfg.learners < 1:
+        fail(f"--learners must be at least 1, got {cfg.learners}")
+    if samplers < 1:
+        fail(f"--learners {cfg.learners} leaves no sampler rank in a world of {world_size}; use --learners {world_size - 1} or more ranks")
+    if cfg.group_size < 2:
+        fail(f"--group-size must be at least 2 for group advantages, got {cfg.group_size}")
+    if cfg.prompts_per_step < 1 or cfg.prompts_per_step % samplers:
+        fail(f"--prompts-per-step {cfg.prompts_per_step} must be a positive multiple of the {samplers} sampler ranks")
+    if (cfg.prompts_per_step * cfg.group_size) % cfg.learners:
+        fail(f"--prompts-per-step x --group-size ({cfg.prompts_per_step * cfg.group_size}) must divide across the {cfg.learners} learners")
+    for name, value, low in [("steps", cfg.steps, 0), ("micro-batch-size", cfg.micro_batch_size, 1), ("max-new-tokens", cfg.max_new_tokens, 1), ("max-prompt-len", cfg.max_prompt_len, 1)]:
+        if value < low:
+            fail(f"--{name} must be at least {low}, got {value}")
+    if cfg.temperature <= 0:
+        fail(f"--temperature must be positive for sampling, got {cfg.temperature}")
+    if cfg.lr < 0 or cfg.epsilon <= 0 or cfg.epsilon_high < cfg.epsilon:
+        fail("--lr must be >= 0, --epsilon > 0 and --epsilon-high >= --epsilon")
+    for name, value, allowed in [("loss-type", cfg.loss_type, LOSS_TYPES), ("scale", cfg.scale, SCALES), ("importance", cfg.importance, ("token", "sequence"))]:
+        if value not in allowed:
+            fail(f"--{name} must be one of {', '.join(allowed)}, got {value!r}")
+    if cfg.dataset not in ("synthetic", "gsm8k", "openai/gsm8k") and not os.path.exists(cfg.dataset):
+        fail(f"--dataset: no such file: {cfg.dataset}")
+    if not tiny and "/" not in cfg.model and not os.path.isdir(cfg.model):
+        fail(f"--model: no such folder or hub name: {cfg.model}")
+    try:
+        parse_reward_spec(cfg.rewards)
+    except ValueError as e:
+        fail(f"--rewards: {e}")
+    return cfg
+
+
+# ---------------------------------------------------------------- the algorithm
+
+
+def group_advantages(rewards, group_size, scale="group", eps=1e-4):
+    """r - mean of its group, divided by the group's std (unbiased), the batch's std, or
+    nothing. Each prompt's G rewards are contiguous. A group of equal rewards gets 0."""
+    groups = rewards.view(-1, group_size)
+    centered = groups - groups.mean(dim=1, keepdim=True)
+    if scale == "group":
+        centered = centered / (groups.std(dim=1, keepdim=True) + eps)
+    elif scale == "batch":
+        centered = centered / (rewards.std() + eps)
+    return centered.flatten()
+
+
+def policy_loss(logp, old_logp, advantages, mask, loss_type="grpo", epsilon=0.2, epsilon_high=None, importance="token", max_new_tokens=None, num_sequences=None, num_tokens=None):
+    """Clipped-ratio loss of one batch: -min(r*A, clip(r, 1-eps, 1+eps_high)*A) per token,
+    aggregated by loss_type. num_sequences and num_tokens are the whole optimizer step's
+    counts (default: this batch's), so the losses of a step's micro-batches on every
+    learner sum to the loss of the whole batch. Returns (loss, sums of metrics)."""
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    log_ratio = logp - old_logp
+    if importance == "sequence":
+        # GSPO: one ratio per sequence (geometric mean of the token ratios), with the
+        # gradient still flowing through each token's log-prob.
+        seq = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        log_ratio = seq.detach()[:, None] + logp - logp.detach()
+    ratio = torch.exp(log_ratio)
+    adv = advantages[:, None]
+    per_token = -torch.min(ratio * adv, ratio.clamp(1 - epsilon, 1 + eps_high) * adv) * mask
+    num_sequences = num_sequences or logp.shape[0]
+    num_tokens = num_tokens or mask.sum()
+    if loss_type == "grpo":
+        loss = (per_token.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / num_sequences
+    elif loss_type in ("bnpo", "dapo"):
+        loss = per_token.sum() / num_tokens
+    elif loss_type == "dr_grpo":
+        loss = per_token.sum() / (num_sequences * max_new_tokens)
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+    with torch.no_grad():
+        metrics = {
+            "loss": loss.detach(),
+            "tokens": mask.sum(),
+            "ratio_sum": (ratio * mask).sum(),
+            "clip_low_tokens": ((ratio < 1 - epsilon) & (adv < 0) & (mask > 0)).sum(),
+            "clip_high_tokens": ((ratio > 1 + eps_high) & (adv > 0) & (mask > 0)).sum(),
+        }
+    return loss, metrics
+
+
+# ---------------------------------------------------------------- processes and groups
+
+
+def gpu_count():
+    # Read from the driver, not torch.cuda: touching CUDA here would fix the visible
+    # devices before a sampler can narrow them.
+    path = "/proc/driver/nvidia/gpus"
+    return len(os.listdir(path)) if os.path.isdir(path) else 0
+
+
+def make_group(store, name, rank, size, device):
+    """A process group built directly on the store, for ranks that share no default group."""
+    prefix = dist.PrefixStore(name, store)
+    if device.type == "cuda":
+        return dist.ProcessGroupNCCL(prefix, rank, size)
+    return dist.ProcessGroupGloo(prefix, rank, size, timedelta(minutes=30))
+
+
+def exchange(pg, obj):
+    """All-gather one picklable object per rank over a gloo group; returns them all."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(pg.size())]
+    pg.allgather([sizes], [torch.tensor([data.numel()])]).wait()
+    width = int(max(sizes))
+    padded = torch.zeros(width, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    out = [torch.empty(width, dtype=torch.uint8) for _ in range(pg.size())]
+    pg.allgather([out], [padded]).wait()
+    return [pickle.loads(o[: int(s)].numpy().tobytes()) for o, s in zip(out, sizes)]
+
+
+def model_path(cfg, local_rank):
+    """The model folder; the tiny model is built once per machine by local rank 0."""
+    if cfg.model != "tiny":
+        return cfg.model
+    from data import build_tiny_model, tiny_model_dir
+
+    path = tiny_model_dir()
+    if not os.path.exists(path):
+        if local_rank == 0:
+            build_tiny_model(path)
+        while not os.path.exists(path):
+            time.sleep(0.2)
+    return path
+
+
+def weight_plan(path):
+    """(name, shape) of every parameter in Hugging Face order: what the learner sends."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    return [(name, p.shape) for name, p in model.named_parameters()]
+
+
+# ---------------------------------------------------------------- the two roles
+
+
+def run_sampler(cfg, path, index, num_samplers, store, weight_pg, rollout_pg, device):
+    from data import load_prompts, shard, step_indices
+    from rewards import parse_reward_spec, score
+    from sampler import Sampler, receive_weights
+
+    engine = Sampler(path, cfg.max_prompt_len + cfg.max_new_tokens, cfg.seed, gpu_memory_utilization=cfg.sampler_gpu_memory, kv_cache_gb=cfg.sampler_kv_cache_gb)
+    prompts = load_prompts(cfg.dataset, cfg.split, engine.llm.get_tokenizer(), cfg.max_prompt_len)
+    reward_fns = parse_reward_spec(cfg.rewards)
+    plan = weight_plan(path)
+    for step in range(cfg.steps):
+        t0 = time.time()
+        engine.load_weights(receive_weights(weight_pg, plan, engine.dtype, device))
+        t1 = time.time()
+        batch = shard([prompts[i] for i in step_indices(len(prompts), step, cfg.prompts_per_step, cfg.seed)], index, num_samplers)
+        seed = (cfg.seed * 1_000_003 + step) * 1009 + index
+        completions = engine.sample([p["prompt_ids"] for p in batch], cfg.group_size, cfg.max_new_tokens, cfg.temperature, seed)
+        t2 = time.time()
+        for i, c in enumerate(completions):
+            c["reward"], c["parts"] = score(c["text"], batch[i // cfg.group_size]["gold"], reward_fns)
+        t3 = time.time()
+        exchange(rollout_pg, {"rollouts": completions, "sync_s": t1 - t0, "sample_s": t2 - t1, "reward_s": t3 - t2})
+
+
+def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
+    from torch.distributed.device_mesh import init_device_mesh
+    from tqdm import tqdm
+
+    from data import shard
+    from learner import Learner
+
+    mesh = init_device_mesh(device.type, (cfg.learners,))
+    learner = Learner(path, mesh, device, cfg.lr, cfg.weight_decay, cfg.gradient_checkpointing)
+    sync_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    bucket_bytes = int(cfg.sync_bucket_mb * 2**20)
+    loss_fn = partial(policy_loss, loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, importance=cfg.importance, max_new_tokens=cfg.max_new_tokens)
+    log = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w") if rank == 0 else None
+    bar = tqdm(range(cfg.steps), desc="grpo", disable=rank != 0)
+    for step in bar:
+        t0 = time.time()
+        learner.send_weights(weight_pg, sync_dtype, bucket_bytes, weight_device)
+        t1 = time.time()
+        reports = [r for r in exchange(rollout_pg, None) if r is not None]
+        rollouts = [c for r in reports for c in r["rollouts"]]
+        t2 = time.time()
+        rewards = torch.tensor([c["reward"] for c in rollouts])
+        for c, a in zip(rollouts, group_advantages(rewards, cfg.group_size, cfg.scale).tolist()):
+            c["advantage"] = a
+        mine = shard(rollouts, rank, cfg.learners)
+        micro_batches = [mine[i : i + cfg.micro_batch_size] for i in range(0, len(mine), cfg.micro_batch_size)]
+        num_tokens = sum(len(c["token_ids"]) for c in rollouts)
+        step_loss = partial(loss_fn, num_sequences=len(rollouts), num_tokens=num_tokens)
+        sums = learner.forward_backward(micro_batches, step_loss, cfg.temperature)
+        grad_norm = learner.clip_grad_and_step(cfg.max_grad_norm)
+        t3 = time.time()
+        sums = reduce_metrics(sums)
+        if rank == 0:
+            row = step_metrics(step, rollouts, reports, sums, grad_norm, t1 - t0, t2 - t1, t3 - t2)
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}")
+    learner.save(os.path.join(cfg.out_dir, "final"), _tokenizer(path) if rank == 0 else None)
+
+
+def _tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def reduce_metrics(sums):
+    """Sum the learners' metric sums; take the max of the maxima."""
+    names = sorted(k for k in sums if not k.endswith("_max"))
+    total = torch.tensor([sums[k] for k in names], dtype=torch.float64)
+    peak = torch.tensor([sums[k] for k in sorted(k for k in sums if k.endswith("_max"))], dtype=torch.float64)
+    dist.all_reduce(total)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    out = dict(zip(names, total.tolist()))
+    out.update(zip(sorted(k for k in sums if k.endswith("_max")), peak.tolist()))
+    return out
+
+
+def step_metrics(step, rollouts, reports, sums, grad_norm, sync_s, wait_s, train_s):
+    rewards = torch.tensor([c["reward"] for c in rollouts])
+    lengths = torch.tensor([len(c["token_ids"]) for c in rollouts], dtype=torch.float32)
+    parts = {name: sum(c["parts"][name] for c in rollouts) / len(rollouts) for name in rollouts[0]["parts"]}
+    tokens = sums["tokens"]
+    return {
+        "step": step,
+        "reward_mean": rewards.mean().item(),
+        "reward_std": rewards.std().item(),
+        "accuracy": parts.get("accuracy", 0.0),
+        "format": parts.get("format", 0.0),
+        **{f"reward_{k}": v for k, v in parts.items() if k not in ("accuracy", "format")},
+        "completion_len": lengths.mean().item(),
+        "completion_len_max": lengths.max().item(),
+        "truncated_frac": sum(c["truncated"] for c in rollouts) / len(rollouts),
+        "loss": sums["loss"],
+        "grad_norm": grad_norm,
+        "ratio_mean": sums["ratio_sum"] / tokens,
+        "clip_low_frac": sums["clip_low_tokens"] / tokens,
+        "clip_high_frac": sums["clip_high_tokens"] / tokens,
+        "mismatch_mean": sums["mismatch_sum"] / tokens,
+        "mismatch_max": sums["mismatch_max"],
+        "tokens_sampled": int(tokens),
+        "sync_s": sync_s,
+        "sample_s": max(r["sample_s"] for r in reports),
+        "reward_s": max(r["reward_s"] for r in reports),
+        "wait_s": wait_s,
+        "train_s": train_s,
+    }
+
+
+def main(argv=None):
+    cfg = parse_config(argv)
+    if "WORLD_SIZE" not in os.environ:
+        fail("run under torchrun, e.g. `torchrun --nproc_per_node 3 grpo.py --learners 2`, or `bash launch.sh`")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    gpus = gpu_count()
+    cfg = resolve(cfg, world, gpus > 0)
+    is_learner = rank < cfg.learners
+    if gpus and not is_learner:
+        # vLLM runs on cuda:0 of what it sees, so a sampler sees only its own GPU.
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus)))).split(",")
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible[local_rank % len(visible)]
+    device = torch.device("cuda", local_rank % gpus if is_learner else 0) if gpus else torch.device("cpu")
+    if gpus:
+        torch.cuda.set_device(device)
+    # NCCL cannot put two ranks of one group on one GPU: when ranks share GPUs, the
+    # weights travel over gloo through host memory instead.
+    weight_device = device if gpus and local_world <= gpus else torch.device("cpu")
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(minutes=30))
+    path = model_path(cfg, local_rank)
+    rollout_pg = make_group(store, "rollout", rank, world, torch.device("cpu"))
+    weight_rank = 0 if rank == 0 else rank - cfg.learners + 1
+    weight_pg = make_group(store, "weights", weight_rank, world - cfg.learners + 1, weight_device) if rank == 0 or not is_learner else None
+    if is_learner:
+        dist.init_process_group("nccl" if gpus else "gloo", store=dist.PrefixStore("learner", store), rank=rank, world_size=cfg.learners, timeout=timedelta(minutes=30))
+        run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device)
+        dist.destroy_process_group()
+    else:
+        run_sampler(cfg, path, rank - cfg.learners, world - cfg.learners, store, weight_pg, rollout_pg, weight_device)
+
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(main)()

@@ -1,0 +1,126 @@
+"""The trained policy: a Hugging Face causal LM under FSDP2, token log-probs,
+forward/backward over micro-batches, grad clipping and the optimizer step, and
+sending full weights to the samplers."""
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+
+class Learner:
+    def __init__(self, model_path, mesh, device, lr, weight_decay=0.0, gradient_checkpointing=False):
+        self.device = device
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        # Master weights stay float32; on GPU the forward runs in bf16 and gradients
+        # are reduced in float32.
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else MixedPrecisionPolicy()
+        blocks = set(getattr(model, "_no_split_modules", None) or [])
+        for module in model.modules():
+            if type(module).__name__ in blocks:
+                fully_shard(module, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        # Losses are normalised by whole-step counts already, so gradients are summed
+        # across learners, not averaged.
+        model.set_gradient_divide_factor(1.0)
+        model.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+        self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+
+    def collate(self, rollouts):
+        """Right-padded prompt+completion ids, with the completion tokens' mask,
+        sampler log-probs and advantages aligned to the predicted positions."""
+        width = max(len(r["prompt_ids"]) + len(r["token_ids"]) for r in rollouts)
+        ids = torch.full((len(rollouts), width), self.pad_id, dtype=torch.long)
+        # From lengths, not from pad ids: a sampled completion may contain the pad token.
+        attention = torch.zeros(len(rollouts), width, dtype=torch.long)
+        mask = torch.zeros(len(rollouts), width - 1)
+        old_logp = torch.zeros(len(rollouts), width - 1)
+        for i, r in enumerate(rollouts):
+            p, c = len(r["prompt_ids"]), len(r["token_ids"])
+            ids[i, : p + c] = torch.tensor(r["prompt_ids"] + r["token_ids"])
+            attention[i, : p + c] = 1
+            mask[i, p - 1 : p + c - 1] = 1  # position t predicts token t+1
+            old_logp[i, p - 1 : p + c - 1] = torch.tensor(r["logprobs"])
+        advantages = torch.tensor([r["advantage"] for r in rollouts], dtype=torch.float32)
+        return [x.to(self.device) for x in (ids, attention, mask, old_logp, advantages)]
+
+    def token_logprobs(self, ids, attention, temperature):
+        """log p(token t+1 | tokens <= t) under the current weights, at the sampling temperature."""
+        logits = self.model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+        if temperature > 0:
+            logits = logits / temperature
+        return logits.gather(-1, ids[:, 1:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+    def forward_backward(self, micro_batches, loss_fn, temperature):
+        """Accumulate gradients of sum(loss_fn(...)) over micro-batches. loss_fn gets
+        whole-step normalisers from the caller, so summing micro-batch losses gives the
+        full-batch loss exactly. Returns per-step sums of the loss's metrics."""
+        totals = {}
+        for rollouts in micro_batches:
+            ids, attention, mask, old_logp, advantages = self.collate(rollouts)
+            logp = self.token_logprobs(ids, attention, temperature)
+            loss, metrics = loss_fn(logp, old_logp, advantages, mask)
+            loss.backward()
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+            # Before the update, learner and sampler hold the same weights: any gap is
+            # numerical mismatch between the two engines (or a broken weight sync).
+            diff = (logp.detach() - old_logp).abs() * mask
+            totals["mismatch_sum"] = totals.get("mismatch_sum", 0.0) + float(diff.sum())
+            totals["mismatch_max"] = max(totals.get("mismatch_max", 0.0), float(diff.max()))
+        return totals
+
+    def clip_grad_and_step(self, max_grad_norm):
+        """Clip to max_grad_norm and step. Every learner sees the same global norm, so a
+        non-finite norm skips the step on all of them alike. Returns the norm."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        if torch.isfinite(norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def full_parameters(self, dtype):
+        """(name, full tensor) for every parameter; each learner takes part in each
+        all-gather, in the same order."""
+        for name, p in self.model.named_parameters():
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            yield name, full.detach().to(dtype)
+
+    def send_weights(self, pg, dtype, bucket_bytes, comm_device):
+        """Learner 0 broadcasts full weights over the weight group in flat buckets; the
+        other learners only join the all-gathers (pg is None there)."""
+        bucket, size = [], 0
+        for _, tensor in self.full_parameters(dtype):
+            if pg is None:
+                continue
+            bucket.append(tensor.flatten().to(comm_device))
+            size += tensor.numel() * tensor.element_size()
+            if size >= bucket_bytes:
+                _broadcast_bucket(pg, bucket)
+                bucket, size = [], 0
+        if pg is not None:
+            if bucket:
+                _broadcast_bucket(pg, bucket)
+            pg.broadcast(torch.zeros(1, dtype=torch.int64, device=comm_device), 0).wait()  # end of sync
+
+    def save(self, path, tokenizer=None):
+        """Full weights in Hugging Face format; all learners call it, rank 0 writes."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if dist.get_rank() == 0:
+            self.model.save_pretrained(path, state_dict=state)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(path)
+
+
+def _broadcast_bucket(pg, bucket):
+    flat = torch.cat(bucket)
+    pg.broadcast(torch.tensor([flat.numel()], dtype=torch.int64, device=flat.device), 0).wait()
+    pg.broadcast(flat, 0).wait()

@@ -1,0 +1,85 @@
+"""The rollout engine: one in-process vLLM engine per sampler rank, sampling with
+log-probs, and new weights loaded in place from the learner's broadcast."""
+
+import os
+
+# The engine core must live in this process: it is driven from the training loop and
+# loads weights that arrive over our own process group.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import torch
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+
+class Sampler:
+    def __init__(self, model, max_model_len, seed, dtype="auto", gpu_memory_utilization=0.3, kv_cache_gb=1.0):
+        on_gpu = torch.cuda.is_available()
+        memory = {"gpu_memory_utilization": gpu_memory_utilization} if on_gpu else {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)}
+        self.llm = LLM(
+            model=model,
+            dtype=dtype if on_gpu else "float32",
+            enforce_eager=not on_gpu,
+            max_model_len=max_model_len,
+            seed=seed,
+            # Log-probs after temperature scaling: those of the policy that really sampled.
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,
+            **memory,
+        )
+        self.dtype = self.llm.llm_engine.model_config.dtype
+
+    def sample(self, prompt_ids, n, max_tokens, temperature, seed):
+        """n completions per prompt, in prompt order, each prompt's n contiguous.
+        The engine runs in this process and draws from torch's default generator, so
+        seeding it makes a step's samples a function of (seed, requests) alone.
+        Per-request seeds would do the same, but vLLM's CPU path cannot rewind their
+        generators when a prefill is chunked."""
+        torch.manual_seed(seed)
+        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, logprobs=0)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+        completions = []
+        for prompt, out in zip(prompt_ids, outputs):
+            for c in out.outputs:
+                completions.append(
+                    {
+                        "prompt_ids": list(prompt),
+                        "token_ids": list(c.token_ids),
+                        "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+                        "text": c.text,
+                        "truncated": c.finish_reason == "length",
+                    }
+                )
+        return completions
+
+    def load_weights(self, named_tensors):
+        """Load (name, tensor) pairs in place into the running engine. The iterator is
+        consumed inside vLLM's loader, so buckets can arrive while it runs."""
+        self.llm.collective_rpc(_reload_weights, args=(named_tensors,))
+        self.llm.reset_prefix_cache()
+
+
+def _reload_weights(worker, named_tensors):
+    worker.model_runner.reload_weights(weights_iterator=named_tensors)
+
+
+def receive_weights(pg, plan, dtype, device):
+    """Yield (name, tensor) as buckets arrive from learner 0 over the weight group.
+    Each bucket is a header (its element count; 0 ends the sync) then the flat data;
+    `plan` lists (name, shape) in the sender's order, so no names travel."""
+    queue = list(plan)
+    while True:
+        header = torch.zeros(1, dtype=torch.int64, device=device)
+        pg.broadcast(header, 0).wait()
+        numel = int(header.item())
+        if numel == 0:
+            assert not queue, f"weight sync ended with {len(queue)} tensors unsent"
+            return
+        flat = torch.empty(numel, dtype=dtype, device=device)
+        pg.broadcast(flat, 0).wait()
+        offset = 0
+        while offset < numel:
+            name, shape = queue.pop(0)
+            size = shape.numel()
+            yield name, flat[offset : offset + size].view(shape)
+            offset += size
