@@ -28,19 +28,21 @@ NAMES = ["Ann", "Bob", "Cat", "Dan", "Eve", "Finn", "Gus", "Ivy"]
 THINGS = ["apples", "pens", "cards", "coins", "eggs", "books"]
 
 
-def synthetic_problem(rng):
+def synthetic_problem(rng, result=None):
     """One GSM8K-shaped record: a short word problem with a single-digit sum or
-    difference, so a tiny character-level model can learn it from scratch."""
+    difference, so a tiny character-level model can learn it from scratch. `result`
+    replaces the true result in the answer (the format warm-up uses random ones)."""
     name, thing = rng.choice(NAMES), rng.choice(THINGS)
     a, b = rng.randint(0, 9), rng.randint(0, 9)
     if rng.random() < 0.5:
         question = f"{name} has {a} {thing} and gets {b} more. How many {thing} now?"
-        answer = f"{a}+{b}={a + b}\n#### {a + b}"
+        op, true = "+", a + b
     else:
         a, b = max(a, b), min(a, b)
         question = f"{name} has {a} {thing} and gives away {b}. How many {thing} now?"
-        answer = f"{a}-{b}={a - b}\n#### {a - b}"
-    return {"question": question, "answer": answer}
+        op, true = "-", a - b
+    r = true if result is None else result
+    return {"question": question, "answer": f"{a}{op}{b}={r}\n#### {r}"}
 
 
 def synthetic_dataset(split, n=None):
@@ -159,7 +161,8 @@ def shard(items, rank, world):
 # ---------------------------------------------------------------- the tiny embedded model
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+TINY_VERSION = 2  # bump when the tokenizer, the task or the warm-up changes
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -169,33 +172,30 @@ CHAT_TEMPLATE = (
 def tiny_model_dir():
     root = os.environ.get("GRPO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "grpo"))
     tag = "-".join(str(v) for v in TINY.values())
-    return os.path.join(root, f"tiny-qwen2-{tag}")
+    return os.path.join(root, f"tiny-qwen2-{tag}-v{TINY_VERSION}")
 
 
 def build_tiny_tokenizer():
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """A character-level tokenizer: byte-level BPE with every byte in the vocabulary and
+    no merges. It is the Qwen2 tokenizer's own pipeline, so transformers and vLLM,
+    which pick the tokenizer class from the model type, load it unchanged."""
+    from tokenizers import pre_tokenizers
+    from transformers import Qwen2Tokenizer
 
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
-    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + chars)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token="<unk>",
-        additional_special_tokens=["<|im_start|>"],
-        chat_template=CHAT_TEMPLATE,
-    )
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + alphabet)}
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
-def build_tiny_model(path, seed=0):
-    """A random-init Qwen2 with a character vocabulary, saved where vLLM and
-    transformers both load it. Written to a temporary folder and renamed, so a
-    crash never leaves half a model behind."""
+def build_tiny_model(path, seed=0, warmup_steps=300):
+    """A Qwen2 with a character vocabulary, saved where vLLM and transformers both load
+    it. From random init it is first taught the answer format on synthetic problems
+    whose results are random numbers: it then writes well-formed answers at chance
+    accuracy, and GRPO has something to improve (its "pretraining"). Written to a
+    temporary folder and renamed, so a crash never leaves half a model behind."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -211,6 +211,7 @@ def build_tiny_model(path, seed=0):
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
+    format_warmup(model, tokenizer, warmup_steps, seed)
     tmp = f"{path}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
@@ -221,3 +222,33 @@ def build_tiny_model(path, seed=0):
     except OSError:  # another process finished first; its copy is identical
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def format_warmup(model, tokenizer, steps, seed, batch_size=64, lr=3e-3):
+    """Supervised training on completions only, with random results in the answers."""
+    import torch
+
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 30) * (1 - s / steps))
+    model.train()
+    for _ in range(steps):
+        rows = []
+        for _ in range(batch_size):
+            record = synthetic_problem(rng, result=rng.randint(0, 18))
+            prompt = build_prompts([record], tokenizer, 10**6, "warm-up")[0]["prompt_ids"]
+            completion = tokenizer(record["answer"] + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+            rows.append((prompt, completion))
+        width = max(len(p) + len(c) for p, c in rows)
+        ids = torch.full((batch_size, width), tokenizer.pad_token_id)
+        labels = torch.full((batch_size, width), -100)
+        for i, (p, c) in enumerate(rows):
+            ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+            labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
+        loss = model(input_ids=ids, attention_mask=(labels != -100) | (torch.arange(width) < torch.tensor([len(p) for p, _ in rows])[:, None]), labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+    model.eval()
