@@ -55,6 +55,11 @@ class Config:
     sampler_kv_cache_gb: float = 1.0  # vLLM's KV cache size (CPU only)
     sync_bucket_mb: float = 64.0
     gradient_checkpointing: bool = False
+    eval_every: int = 50  # greedy held-out eval every K steps, and at the start and end; 0: never
+    eval_dataset: str = ""  # held-out set (its 'test' split); empty: --dataset's
+    eval_size: int = 256  # held-out prompts per eval; 0: the whole test split
+    eval_only: bool = False  # evaluate --model and exit
+    samples_every: int = 10  # write a few completions to samples.jsonl every K steps; 0: never
 
 
 def parse_config(argv):
@@ -87,6 +92,8 @@ def resolve(cfg, world_size, has_gpu):
     cfg.max_new_tokens = cfg.max_new_tokens or (24 if tiny else 512)
     cfg.lr = cfg.lr or (1e-3 if tiny else 1e-6)
     cfg.epsilon_high = cfg.epsilon_high or cfg.epsilon
+    if cfg.eval_only:
+        cfg.steps = 0
     samplers = world_size - cfg.learners
     if cfg.learners < 1:
         fail(f"--learners must be at least 1, got {cfg.learners}")
@@ -228,27 +235,61 @@ def weight_plan(path):
 # ---------------------------------------------------------------- the two roles
 
 
-def run_sampler(cfg, path, index, num_samplers, store, weight_pg, rollout_pg, device):
+def run_sampler(cfg, path, index, num_samplers, weight_pg, rollout_pg, device):
     from data import load_prompts, shard, step_indices
     from rewards import parse_reward_spec, score
     from sampler import Sampler, receive_weights
 
     engine = Sampler(path, cfg.max_prompt_len + cfg.max_new_tokens, cfg.seed, gpu_memory_utilization=cfg.sampler_gpu_memory, kv_cache_gb=cfg.sampler_kv_cache_gb)
-    prompts = load_prompts(cfg.dataset, cfg.split, engine.llm.get_tokenizer(), cfg.max_prompt_len)
+    tokenizer = engine.llm.get_tokenizer()
+    prompts = load_prompts(cfg.dataset, cfg.split, tokenizer, cfg.max_prompt_len) if cfg.steps else []
+    eval_prompts = load_prompts(cfg.eval_dataset or cfg.dataset, "test", tokenizer, cfg.max_prompt_len)[: cfg.eval_size or None] if cfg.eval_every or cfg.eval_only else []
     reward_fns = parse_reward_spec(cfg.rewards)
     plan = weight_plan(path)
-    for step in range(cfg.steps):
+    # One step more than training: the last sync brings the final weights for the last eval.
+    for step in range(cfg.steps + 1):
         t0 = time.time()
         engine.load_weights(receive_weights(weight_pg, plan, engine.dtype, device))
-        t1 = time.time()
-        batch = shard([prompts[i] for i in step_indices(len(prompts), step, cfg.prompts_per_step, cfg.seed)], index, num_samplers)
-        seed = (cfg.seed * 1_000_003 + step) * 1009 + index
-        completions = engine.sample([p["prompt_ids"] for p in batch], cfg.group_size, cfg.max_new_tokens, cfg.temperature, seed)
-        t2 = time.time()
-        for i, c in enumerate(completions):
-            c["reward"], c["parts"] = score(c["text"], batch[i // cfg.group_size]["gold"], reward_fns)
-        t3 = time.time()
-        exchange(rollout_pg, {"rollouts": completions, "sync_s": t1 - t0, "sample_s": t2 - t1, "reward_s": t3 - t2})
+        report = {"sync_s": time.time() - t0}
+        if eval_due(cfg, step):
+            report["eval"] = evaluate(engine, eval_prompts[index::num_samplers], cfg, reward_fns)
+        if step < cfg.steps:
+            t1 = time.time()
+            batch = shard([prompts[i] for i in step_indices(len(prompts), step, cfg.prompts_per_step, cfg.seed)], index, num_samplers)
+            seed = (cfg.seed * 1_000_003 + step) * 1009 + index
+            completions = engine.sample([p["prompt_ids"] for p in batch], cfg.group_size, cfg.max_new_tokens, cfg.temperature, seed)
+            t2 = time.time()
+            for i, c in enumerate(completions):
+                c["reward"], c["parts"] = score(c["text"], batch[i // cfg.group_size]["gold"], reward_fns)
+            report.update(rollouts=completions, sample_s=t2 - t1, reward_s=time.time() - t2)
+        exchange(rollout_pg, report)
+
+
+def eval_due(cfg, step):
+    return cfg.eval_only or (cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.steps))
+
+
+def evaluate(engine, prompts, cfg, reward_fns):
+    """Greedy completions of this sampler's share of the held-out prompts: sums, so the
+    learner can add up the samplers' shares."""
+    from rewards import score
+
+    completions = engine.sample([p["prompt_ids"] for p in prompts], 1, cfg.max_new_tokens, 0.0, cfg.seed)
+    parts = [score(c["text"], p["gold"], reward_fns)[1] for c, p in zip(completions, prompts)]
+    return {
+        "n": len(prompts),
+        "accuracy": sum(p.get("accuracy", 0.0) for p in parts),
+        "format": sum(p.get("format", 0.0) for p in parts),
+        "length": sum(len(c["token_ids"]) for c in completions),
+    }
+
+
+def merge_evals(reports):
+    evals = [r["eval"] for r in reports if "eval" in r]
+    if not evals:
+        return {}
+    n = max(1, sum(e["n"] for e in evals))
+    return {f"eval_{k}": sum(e[k] for e in evals) / n for k in ("accuracy", "format", "length")}
 
 
 def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
@@ -264,14 +305,20 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
     bucket_bytes = int(cfg.sync_bucket_mb * 2**20)
     loss_fn = partial(policy_loss, loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, importance=cfg.importance, max_new_tokens=cfg.max_new_tokens)
     log = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w") if rank == 0 else None
-    bar = tqdm(range(cfg.steps), desc="grpo", disable=rank != 0)
-    for step in bar:
+    samples_log = open(os.path.join(cfg.out_dir, "samples.jsonl"), "w") if rank == 0 else None
+    bar = tqdm(total=cfg.steps, desc="grpo", disable=rank != 0)
+    for step in range(cfg.steps + 1):
         t0 = time.time()
         learner.send_weights(weight_pg, sync_dtype, bucket_bytes, weight_device)
         t1 = time.time()
         reports = [r for r in exchange(rollout_pg, None) if r is not None]
-        rollouts = [c for r in reports for c in r["rollouts"]]
         t2 = time.time()
+        evals = merge_evals(reports)
+        if step == cfg.steps:
+            if rank == 0 and evals:
+                log.write(json.dumps({"step": step, **evals}) + "\n")
+            break
+        rollouts = [c for r in reports for c in r["rollouts"]]
         rewards = torch.tensor([c["reward"] for c in rollouts])
         for c, a in zip(rollouts, group_advantages(rewards, cfg.group_size, cfg.scale).tolist()):
             c["advantage"] = a
@@ -284,11 +331,35 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         t3 = time.time()
         sums = reduce_metrics(sums)
         if rank == 0:
-            row = step_metrics(step, rollouts, reports, sums, grad_norm, t1 - t0, t2 - t1, t3 - t2)
+            row = {**step_metrics(step, rollouts, reports, sums, grad_norm, t1 - t0, t2 - t1, t3 - t2), **evals}
             log.write(json.dumps(row) + "\n")
             log.flush()
+            if cfg.samples_every and step % cfg.samples_every == 0:
+                for c in rollouts[:: cfg.group_size][:4]:
+                    samples_log.write(json.dumps({"step": step, "text": c["text"], "reward": c["reward"], **c["parts"]}) + "\n")
+                samples_log.flush()
+            bar.update()
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}")
-    learner.save(os.path.join(cfg.out_dir, "final"), _tokenizer(path) if rank == 0 else None)
+    bar.close()
+    if cfg.steps:
+        learner.save(os.path.join(cfg.out_dir, "final"), _tokenizer(path) if rank == 0 else None)
+    if rank == 0:
+        log.close()
+        print(summary(cfg, os.path.join(cfg.out_dir, "metrics.jsonl")))
+
+
+def summary(cfg, metrics_path):
+    rows = [json.loads(line) for line in open(metrics_path)]
+    train = [r for r in rows if "reward_mean" in r]
+    evals = [r for r in rows if "eval_accuracy" in r]
+    lines = [f"run finished: {len(train)} steps, metrics in {metrics_path}"]
+    if evals:
+        lines.append(f"eval accuracy: {evals[0]['eval_accuracy']:.3f} at step {evals[0]['step']} -> {evals[-1]['eval_accuracy']:.3f} at step {evals[-1]['step']}")
+    if train:
+        seconds = sum(r["sync_s"] + r["wait_s"] + r["train_s"] for r in train)
+        tokens = sum(r["tokens_sampled"] for r in train)
+        lines.append(f"train reward {train[0]['reward_mean']:.3f} -> {train[-1]['reward_mean']:.3f}; {seconds:.0f} s in steps; {tokens / max(1e-9, sum(r['sample_s'] for r in train)):.0f} sampled tokens/s")
+    return "\n".join(lines)
 
 
 def _tokenizer(path):
@@ -332,6 +403,7 @@ def step_metrics(step, rollouts, reports, sums, grad_norm, sync_s, wait_s, train
         "mismatch_mean": sums["mismatch_sum"] / tokens,
         "mismatch_max": sums["mismatch_max"],
         "tokens_sampled": int(tokens),
+        "samplers": len(reports),
         "sync_s": sync_s,
         "sample_s": max(r["sample_s"] for r in reports),
         "reward_s": max(r["reward_s"] for r in reports),
@@ -372,7 +444,7 @@ def main(argv=None):
         run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device)
         dist.destroy_process_group()
     else:
-        run_sampler(cfg, path, rank - cfg.learners, world - cfg.learners, store, weight_pg, rollout_pg, weight_device)
+        run_sampler(cfg, path, rank - cfg.learners, world - cfg.learners, weight_pg, rollout_pg, weight_device)
 
 
 if __name__ == "__main__":
