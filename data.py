@@ -29,16 +29,17 @@ THINGS = ["apples", "pens", "cards", "coins", "eggs", "books"]
 
 
 def synthetic_problem(rng, result=None):
-    """One GSM8K-shaped record: a short word problem with a single-digit sum or
-    difference, so a tiny character-level model can learn it from scratch. `result`
+    """One GSM8K-shaped record: a short word problem whose sum or difference is a
+    single digit, so a tiny character-level model can learn it by RL in minutes. `result`
     replaces the true result in the answer (the format warm-up uses random ones)."""
     name, thing = rng.choice(NAMES), rng.choice(THINGS)
-    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    a = rng.randint(0, 9)
     if rng.random() < 0.5:
+        b = rng.randint(0, 9 - a)
         question = f"{name} has {a} {thing} and gets {b} more. How many {thing} now?"
         op, true = "+", a + b
     else:
-        a, b = max(a, b), min(a, b)
+        b = rng.randint(0, a)
         question = f"{name} has {a} {thing} and gives away {b}. How many {thing} now?"
         op, true = "-", a - b
     r = true if result is None else result
@@ -161,7 +162,7 @@ def shard(items, rank, world):
 # ---------------------------------------------------------------- the tiny embedded model
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-TINY_VERSION = 2  # bump when the tokenizer, the task or the warm-up changes
+TINY_VERSION = 3  # bump when the tokenizer, the task or the warm-up changes
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -235,7 +236,7 @@ def format_warmup(model, tokenizer, steps, seed, batch_size=64, lr=3e-3):
     for _ in range(steps):
         rows = []
         for _ in range(batch_size):
-            record = synthetic_problem(rng, result=rng.randint(0, 18))
+            record = synthetic_problem(rng, result=rng.randint(0, 9))
             prompt = build_prompts([record], tokenizer, 10**6, "warm-up")[0]["prompt_ids"]
             completion = tokenizer(record["answer"] + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
             rows.append((prompt, completion))

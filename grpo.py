@@ -48,6 +48,11 @@ class Config:
     epsilon_high: float = 0.0  # 0: same as epsilon; larger is DAPO's clip-higher
     importance: str = "token"  # token | sequence (GSPO)
     scale: str = "group"  # advantage scaling: group | batch | none
+    beta: float = 0.0  # KL to the initial policy (k3); > 0 keeps a frozen, sharded reference copy
+    tis_cap: float = 0.0  # > 0: truncated importance sampling of the sampler/learner mismatch at this cap
+    drop_uniform_groups: bool = False  # DAPO dynamic sampling: drop groups whose rewards are all equal
+    overlong: str = "none"  # completions cut at max-new-tokens: none | mask (out of the loss) | penalty (soft, DAPO)
+    overlong_buffer: int = 0  # penalty ramp length in tokens; 0: max-new-tokens // 4
     rewards: str = "accuracy,format"  # weighted sum: 'accuracy=1,format=0.5,my.module:fn=2'
     seed: int = 0
     out_dir: str = "runs/default"
@@ -92,6 +97,7 @@ def resolve(cfg, world_size, has_gpu):
     cfg.max_new_tokens = cfg.max_new_tokens or (24 if tiny else 512)
     cfg.lr = cfg.lr or (1e-3 if tiny else 1e-6)
     cfg.epsilon_high = cfg.epsilon_high or cfg.epsilon
+    cfg.overlong_buffer = cfg.overlong_buffer or cfg.max_new_tokens // 4
     if cfg.eval_only:
         cfg.steps = 0
     samplers = world_size - cfg.learners
@@ -112,7 +118,9 @@ def resolve(cfg, world_size, has_gpu):
         fail(f"--temperature must be positive for sampling, got {cfg.temperature}")
     if cfg.lr < 0 or cfg.epsilon <= 0 or cfg.epsilon_high < cfg.epsilon:
         fail("--lr must be >= 0, --epsilon > 0 and --epsilon-high >= --epsilon")
-    for name, value, allowed in [("loss-type", cfg.loss_type, LOSS_TYPES), ("scale", cfg.scale, SCALES), ("importance", cfg.importance, ("token", "sequence"))]:
+    if cfg.beta < 0 or cfg.tis_cap < 0:
+        fail("--beta and --tis-cap must be >= 0")
+    for name, value, allowed in [("loss-type", cfg.loss_type, LOSS_TYPES), ("scale", cfg.scale, SCALES), ("importance", cfg.importance, ("token", "sequence")), ("overlong", cfg.overlong, ("none", "mask", "penalty"))]:
         if value not in allowed:
             fail(f"--{name} must be one of {', '.join(allowed)}, got {value!r}")
     if cfg.dataset not in ("synthetic", "gsm8k", "openai/gsm8k") and not os.path.exists(cfg.dataset):
@@ -141,12 +149,25 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     return centered.flatten()
 
 
-def policy_loss(logp, old_logp, advantages, mask, loss_type="grpo", epsilon=0.2, epsilon_high=None, importance="token", max_new_tokens=None, num_sequences=None, num_tokens=None):
+def policy_loss(logp, old_logp, advantages, mask, loss_type="grpo", epsilon=0.2, epsilon_high=None, importance="token", max_new_tokens=None, num_sequences=None, num_tokens=None, ref_logp=None, beta=0.0, tis_cap=0.0):
     """Clipped-ratio loss of one batch: -min(r*A, clip(r, 1-eps, 1+eps_high)*A) per token,
-    aggregated by loss_type. num_sequences and num_tokens are the whole optimizer step's
-    counts (default: this batch's), so the losses of a step's micro-batches on every
-    learner sum to the loss of the whole batch. Returns (loss, sums of metrics)."""
+    plus beta * k3(ref, logp), aggregated by loss_type:
+      grpo     mean over each sequence's tokens, then over sequences
+      bnpo     sum over tokens / tokens
+      dapo     the same sum / tokens: here both normalise by the whole step's tokens, since
+               a per-micro-batch count would make the update depend on the split
+      dr_grpo  sum over tokens / (sequences * max_new_tokens)
+    logp is the learner's (before this step's update) and old_logp the sampler's.
+    num_sequences and num_tokens are the whole optimizer step's counts (default: this
+    batch's), so the losses of a step's micro-batches on every learner sum to the loss
+    of the whole batch. tis_cap > 0 takes the ratio against the learner's own log-probs
+    and weights each token by min(pi_learner / pi_sampler, cap), detached (truncated
+    importance sampling). Returns (loss, sums of metrics)."""
     eps_high = epsilon if epsilon_high is None else epsilon_high
+    weight = mask
+    if tis_cap > 0:
+        weight = mask * torch.exp(logp.detach() - old_logp).clamp(max=tis_cap)
+        old_logp = logp.detach()
     log_ratio = logp - old_logp
     if importance == "sequence":
         # GSPO: one ratio per sequence (geometric mean of the token ratios), with the
@@ -155,7 +176,11 @@ def policy_loss(logp, old_logp, advantages, mask, loss_type="grpo", epsilon=0.2,
         log_ratio = seq.detach()[:, None] + logp - logp.detach()
     ratio = torch.exp(log_ratio)
     adv = advantages[:, None]
-    per_token = -torch.min(ratio * adv, ratio.clamp(1 - epsilon, 1 + eps_high) * adv) * mask
+    per_token = -torch.min(ratio * adv, ratio.clamp(1 - epsilon, 1 + eps_high) * adv)
+    if beta > 0:
+        kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # k3: unbiased, always >= 0
+        per_token = per_token + beta * kl
+    per_token = per_token * weight
     num_sequences = num_sequences or logp.shape[0]
     num_tokens = num_tokens or mask.sum()
     if loss_type == "grpo":
@@ -174,7 +199,59 @@ def policy_loss(logp, old_logp, advantages, mask, loss_type="grpo", epsilon=0.2,
             "clip_low_tokens": ((ratio < 1 - epsilon) & (adv < 0) & (mask > 0)).sum(),
             "clip_high_tokens": ((ratio > 1 + eps_high) & (adv > 0) & (mask > 0)).sum(),
         }
+        if beta > 0:
+            metrics["kl_sum"] = (kl * mask).sum()
     return loss, metrics
+
+
+def overlong_penalty(length, max_new_tokens, buffer):
+    """DAPO's soft length penalty: 0 up to max_new_tokens - buffer, then down to -1 at the limit."""
+    return min(0.0, (max_new_tokens - buffer - length) / buffer) if buffer > 0 else 0.0
+
+
+def train_step(cfg, learner, rollouts, rank):
+    """One optimizer step on the step's rollouts (every learner holds all of them): group
+    advantages, the optional filters, this learner's shard in micro-batches, then
+    clip and step. Returns (this learner's metric sums, grad norm)."""
+    G = cfg.group_size
+    rewards = torch.tensor([c["reward"] for c in rollouts])
+    if cfg.overlong == "penalty":
+        rewards += torch.tensor([overlong_penalty(len(c["token_ids"]), cfg.max_new_tokens, cfg.overlong_buffer) for c in rollouts])
+    for c, a in zip(rollouts, group_advantages(rewards, G, cfg.scale).tolist()):
+        c["advantage"] = a
+    groups = [rollouts[i : i + G] for i in range(0, len(rollouts), G)]
+    uniform = [len({c["reward"] for c in g}) == 1 for g in groups]
+    if cfg.drop_uniform_groups:  # DAPO's dynamic sampling: such groups carry no signal
+        groups = [g for g, u in zip(groups, uniform) if not u]
+    batch = [c for g in groups for c in g if not (cfg.overlong == "mask" and c["truncated"])]
+    # Every learner runs the same number of micro-batches, since each forward is a
+    # collective; a learner with fewer rollouts runs empty ones.
+    per_rank = -(-len(batch) // cfg.learners)
+    mine = batch[rank * per_rank : (rank + 1) * per_rank]
+    count = max(1, -(-per_rank // cfg.micro_batch_size))
+    micro_batches = [mine[i * cfg.micro_batch_size : (i + 1) * cfg.micro_batch_size] for i in range(count)]
+    loss_fn = partial(
+        policy_loss,
+        loss_type=cfg.loss_type,
+        epsilon=cfg.epsilon,
+        epsilon_high=cfg.epsilon_high,
+        importance=cfg.importance,
+        max_new_tokens=cfg.max_new_tokens,
+        num_sequences=max(1, len(batch)),
+        num_tokens=max(1, sum(len(c["token_ids"]) for c in batch)),
+        beta=cfg.beta,
+        tis_cap=cfg.tis_cap,
+    )
+    sums = learner.forward_backward(micro_batches, loss_fn, cfg.temperature)
+    if batch:
+        grad_norm = learner.clip_grad_and_step(cfg.max_grad_norm)
+    else:  # every group dropped: no step at all, on any learner (they all see the same batch)
+        learner.optimizer.zero_grad(set_to_none=True)
+        grad_norm = 0.0
+    sums["groups_uniform"] = sum(uniform) if rank == 0 else 0
+    sums["groups_dropped"] = sums["groups_uniform"] if cfg.drop_uniform_groups else 0
+    sums["sequences_trained"] = len(mine)
+    return sums, grad_norm
 
 
 # ---------------------------------------------------------------- processes and groups
@@ -296,14 +373,13 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
     from torch.distributed.device_mesh import init_device_mesh
     from tqdm import tqdm
 
-    from data import shard
     from learner import Learner
 
+    started = time.time()
     mesh = init_device_mesh(device.type, (cfg.learners,))
-    learner = Learner(path, mesh, device, cfg.lr, cfg.weight_decay, cfg.gradient_checkpointing)
+    learner = Learner(path, mesh, device, cfg.lr, cfg.weight_decay, cfg.gradient_checkpointing, reference=cfg.beta > 0)
     sync_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     bucket_bytes = int(cfg.sync_bucket_mb * 2**20)
-    loss_fn = partial(policy_loss, loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, importance=cfg.importance, max_new_tokens=cfg.max_new_tokens)
     log = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w") if rank == 0 else None
     samples_log = open(os.path.join(cfg.out_dir, "samples.jsonl"), "w") if rank == 0 else None
     bar = tqdm(total=cfg.steps, desc="grpo", disable=rank != 0)
@@ -319,15 +395,7 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
                 log.write(json.dumps({"step": step, **evals}) + "\n")
             break
         rollouts = [c for r in reports for c in r["rollouts"]]
-        rewards = torch.tensor([c["reward"] for c in rollouts])
-        for c, a in zip(rollouts, group_advantages(rewards, cfg.group_size, cfg.scale).tolist()):
-            c["advantage"] = a
-        mine = shard(rollouts, rank, cfg.learners)
-        micro_batches = [mine[i : i + cfg.micro_batch_size] for i in range(0, len(mine), cfg.micro_batch_size)]
-        num_tokens = sum(len(c["token_ids"]) for c in rollouts)
-        step_loss = partial(loss_fn, num_sequences=len(rollouts), num_tokens=num_tokens)
-        sums = learner.forward_backward(micro_batches, step_loss, cfg.temperature)
-        grad_norm = learner.clip_grad_and_step(cfg.max_grad_norm)
+        sums, grad_norm = train_step(cfg, learner, rollouts, rank)
         t3 = time.time()
         sums = reduce_metrics(sums)
         if rank == 0:
@@ -345,14 +413,17 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         learner.save(os.path.join(cfg.out_dir, "final"), _tokenizer(path) if rank == 0 else None)
     if rank == 0:
         log.close()
-        print(summary(cfg, os.path.join(cfg.out_dir, "metrics.jsonl")))
+        print(summary(cfg, os.path.join(cfg.out_dir, "metrics.jsonl"), time.time() - started))
+        curves = plot(cfg.out_dir)
+        if curves:
+            print(f"curves: {curves}")
 
 
-def summary(cfg, metrics_path):
+def summary(cfg, metrics_path, wall_s):
     rows = [json.loads(line) for line in open(metrics_path)]
     train = [r for r in rows if "reward_mean" in r]
     evals = [r for r in rows if "eval_accuracy" in r]
-    lines = [f"run finished: {len(train)} steps, metrics in {metrics_path}"]
+    lines = [f"run finished: {len(train)} steps in {wall_s:.0f} s; metrics in {metrics_path}, policy in {os.path.join(cfg.out_dir, 'final')}"]
     if evals:
         lines.append(f"eval accuracy: {evals[0]['eval_accuracy']:.3f} at step {evals[0]['step']} -> {evals[-1]['eval_accuracy']:.3f} at step {evals[-1]['step']}")
     if train:
@@ -384,7 +455,7 @@ def step_metrics(step, rollouts, reports, sums, grad_norm, sync_s, wait_s, train
     rewards = torch.tensor([c["reward"] for c in rollouts])
     lengths = torch.tensor([len(c["token_ids"]) for c in rollouts], dtype=torch.float32)
     parts = {name: sum(c["parts"][name] for c in rollouts) / len(rollouts) for name in rollouts[0]["parts"]}
-    tokens = sums["tokens"]
+    tokens = max(1.0, sums["tokens"])
     return {
         "step": step,
         "reward_mean": rewards.mean().item(),
@@ -402,7 +473,13 @@ def step_metrics(step, rollouts, reports, sums, grad_norm, sync_s, wait_s, train
         "clip_high_frac": sums["clip_high_tokens"] / tokens,
         "mismatch_mean": sums["mismatch_sum"] / tokens,
         "mismatch_max": sums["mismatch_max"],
-        "tokens_sampled": int(tokens),
+        "entropy": sums["entropy_sum"] / tokens,
+        **({"kl": sums["kl_sum"] / tokens} if "kl_sum" in sums else {}),
+        "groups_uniform": int(sums["groups_uniform"]),
+        "groups_dropped": int(sums["groups_dropped"]),
+        "sequences_trained": int(sums["sequences_trained"]),
+        "tokens_sampled": int(lengths.sum()),
+        "tokens_trained": int(sums["tokens"]),
         "samplers": len(reports),
         "sync_s": sync_s,
         "sample_s": max(r["sample_s"] for r in reports),
@@ -412,7 +489,45 @@ def step_metrics(step, rollouts, reports, sums, grad_norm, sync_s, wait_s, train
     }
 
 
+def plot(out_dir):
+    """curves.png from metrics.jsonl: reward and accuracies, and seconds per phase."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no curves.png")
+        return None
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    train = [r for r in rows if "reward_mean" in r]
+    evals = [r for r in rows if "eval_accuracy" in r]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = [r["step"] for r in train]
+    left.plot(steps, [r["reward_mean"] for r in train], label="reward")
+    left.plot(steps, [r["accuracy"] for r in train], label="train accuracy")
+    left.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-", label="eval accuracy")
+    left.set_xlabel("step")
+    left.legend()
+    for phase in ("sync_s", "sample_s", "reward_s", "wait_s", "train_s"):
+        right.plot(steps, [r[phase] for r in train], label=phase)
+    right.set_xlabel("step")
+    right.set_ylabel("seconds")
+    right.legend()
+    path = os.path.join(out_dir, "curves.png")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plot"]:
+        if len(argv) != 2:
+            fail("usage: python grpo.py plot <out_dir>")
+        print(plot(argv[1]) or "")
+        return
     cfg = parse_config(argv)
     if "WORLD_SIZE" not in os.environ:
         fail("run under torchrun, e.g. `torchrun --nproc_per_node 3 grpo.py --learners 2`, or `bash launch.sh`")

@@ -9,31 +9,42 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 
+def load_sharded(model_path, mesh, device, gradient_checkpointing=False):
+    """The Hugging Face model with each transformer block and the root under FSDP2."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    # Master weights stay float32; on GPU the forward runs in bf16 and gradients
+    # are reduced in float32.
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else MixedPrecisionPolicy()
+    blocks = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if type(module).__name__ in blocks:
+            fully_shard(module, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
 class Learner:
-    def __init__(self, model_path, mesh, device, lr, weight_decay=0.0, gradient_checkpointing=False):
+    def __init__(self, model_path, mesh, device, lr, weight_decay=0.0, gradient_checkpointing=False, reference=False):
         self.device = device
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
-        if gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-        # Master weights stay float32; on GPU the forward runs in bf16 and gradients
-        # are reduced in float32.
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else MixedPrecisionPolicy()
-        blocks = set(getattr(model, "_no_split_modules", None) or [])
-        for module in model.modules():
-            if type(module).__name__ in blocks:
-                fully_shard(module, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
-        # Losses are normalised by whole-step counts already, so gradients are summed
-        # across learners, not averaged.
-        model.set_gradient_divide_factor(1.0)
-        model.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-        self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
-        self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        self.model = load_sharded(model_path, mesh, device, gradient_checkpointing)
+        # Losses are normalised by whole-step counts already, so the learners' gradients
+        # must be summed; FSDP averages them, so each backward is scaled by the count.
+        self.grad_scale = mesh.size()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+        # A frozen copy of the initial weights for the KL term, sharded like the policy.
+        self.reference = load_sharded(model_path, mesh, device).requires_grad_(False) if reference else None
+        config = self.model.config
+        self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
 
     def collate(self, rollouts):
         """Right-padded prompt+completion ids, with the completion tokens' mask,
-        sampler log-probs and advantages aligned to the predicted positions."""
+        sampler log-probs and advantages aligned to the predicted positions. An empty
+        micro-batch becomes one masked-out pad sequence, so its learner still joins
+        the collectives of the forward and backward."""
+        if not rollouts:
+            rollouts = [{"prompt_ids": [self.pad_id], "token_ids": [self.pad_id], "logprobs": [0.0], "advantage": 0.0, "empty": True}]
         width = max(len(r["prompt_ids"]) + len(r["token_ids"]) for r in rollouts)
         ids = torch.full((len(rollouts), width), self.pad_id, dtype=torch.long)
         # From lengths, not from pad ids: a sampled completion may contain the pad token.
@@ -44,17 +55,22 @@ class Learner:
             p, c = len(r["prompt_ids"]), len(r["token_ids"])
             ids[i, : p + c] = torch.tensor(r["prompt_ids"] + r["token_ids"])
             attention[i, : p + c] = 1
-            mask[i, p - 1 : p + c - 1] = 1  # position t predicts token t+1
+            mask[i, p - 1 : p + c - 1] = 0 if r.get("empty") else 1  # position t predicts token t+1
             old_logp[i, p - 1 : p + c - 1] = torch.tensor(r["logprobs"])
         advantages = torch.tensor([r["advantage"] for r in rollouts], dtype=torch.float32)
         return [x.to(self.device) for x in (ids, attention, mask, old_logp, advantages)]
 
-    def token_logprobs(self, ids, attention, temperature):
-        """log p(token t+1 | tokens <= t) under the current weights, at the sampling temperature."""
-        logits = self.model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+    def token_logprobs(self, model, ids, attention, temperature):
+        """log p(token t+1 | tokens <= t) at the sampling temperature, and the entropy of
+        each next-token distribution."""
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
         if temperature > 0:
             logits = logits / temperature
-        return logits.gather(-1, ids[:, 1:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+        logz = torch.logsumexp(logits, dim=-1)
+        logp = logits.gather(-1, ids[:, 1:, None]).squeeze(-1) - logz
+        with torch.no_grad():
+            entropy = logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        return logp, entropy
 
     def forward_backward(self, micro_batches, loss_fn, temperature):
         """Accumulate gradients of sum(loss_fn(...)) over micro-batches. loss_fn gets
@@ -63,15 +79,19 @@ class Learner:
         totals = {}
         for rollouts in micro_batches:
             ids, attention, mask, old_logp, advantages = self.collate(rollouts)
-            logp = self.token_logprobs(ids, attention, temperature)
-            loss, metrics = loss_fn(logp, old_logp, advantages, mask)
-            loss.backward()
-            for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + float(v)
+            logp, entropy = self.token_logprobs(self.model, ids, attention, temperature)
+            ref_logp = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref_logp = self.token_logprobs(self.reference, ids, attention, temperature)[0]
+            loss, metrics = loss_fn(logp, old_logp, advantages, mask, ref_logp=ref_logp)
+            (loss * self.grad_scale).backward()
             # Before the update, learner and sampler hold the same weights: any gap is
             # numerical mismatch between the two engines (or a broken weight sync).
             diff = (logp.detach() - old_logp).abs() * mask
-            totals["mismatch_sum"] = totals.get("mismatch_sum", 0.0) + float(diff.sum())
+            metrics.update(mismatch_sum=diff.sum(), entropy_sum=(entropy * mask).sum())
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
             totals["mismatch_max"] = max(totals.get("mismatch_max", 0.0), float(diff.max()))
         return totals
 

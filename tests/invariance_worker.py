@@ -1,0 +1,71 @@
+"""Run under torchrun by test_algorithm.py: one optimizer step of train_step per loss
+configuration and micro-batch size on a fixed batch, full weights saved by rank 0.
+Plain SGD and no clipping, so any error in how losses are normalised shows in the
+weights (Adam's first step would divide it away)."""
+
+import copy
+import dataclasses
+import os
+import random
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from grpo import Config, train_step  # noqa: E402
+from learner import Learner  # noqa: E402
+
+CONFIGS = {
+    "grpo": {},
+    "bnpo": {"loss_type": "bnpo"},
+    "dr_grpo": {"loss_type": "dr_grpo"},
+    "dapo": {"loss_type": "dapo", "epsilon_high": 0.28, "drop_uniform_groups": True, "overlong": "mask"},
+    "gspo": {"importance": "sequence", "scale": "batch"},
+    "kl_tis": {"beta": 0.1, "tis_cap": 2.0, "overlong": "penalty", "overlong_buffer": 4},
+}
+
+
+def fixed_rollouts(vocab, prompts=8, group_size=4, max_new_tokens=12):
+    rng = random.Random(0)
+    rollouts = []
+    for p in range(prompts):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 10))]
+        uniform = p == 0  # one group whose rewards are all equal
+        for _ in range(group_size):
+            n = rng.randint(1, max_new_tokens)
+            rollouts.append(
+                {
+                    "prompt_ids": prompt,
+                    "token_ids": [rng.randrange(3, vocab) for _ in range(n)],
+                    "logprobs": [rng.uniform(-7.0, -4.0) for _ in range(n)],
+                    "reward": 1.0 if uniform else float(rng.randint(0, 2)),
+                    "truncated": n == max_new_tokens,
+                }
+            )
+    return rollouts
+
+
+def main():
+    model_path, out_dir = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    rollouts = fixed_rollouts(vocab=259)
+    for name, overrides in CONFIGS.items():
+        for mbs in (1, 2, 32):
+            cfg = Config(learners=world, group_size=4, max_new_tokens=12, micro_batch_size=mbs, max_grad_norm=1e9, **overrides)
+            cfg = dataclasses.replace(cfg, epsilon_high=cfg.epsilon_high or cfg.epsilon)
+            torch.manual_seed(0)
+            learner = Learner(model_path, mesh, torch.device("cpu"), lr=0.0, reference=cfg.beta > 0)
+            learner.optimizer = torch.optim.SGD(learner.model.parameters(), lr=0.5)
+            sums, grad_norm = train_step(cfg, learner, copy.deepcopy(rollouts), rank)
+            state = {n: t.clone() for n, t in learner.full_parameters(torch.float32)}
+            if rank == 0:
+                torch.save({"state": state, "grad_norm": grad_norm}, os.path.join(out_dir, f"{name}-mbs{mbs}-L{world}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

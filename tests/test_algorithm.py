@@ -1,0 +1,208 @@
+"""Group advantages and policy losses against plain loops written independently here,
+and the invariance of one optimizer step to how the work is split (real torchrun + FSDP2)."""
+
+import glob
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, free_port
+from grpo import group_advantages, overlong_penalty, policy_loss
+
+# ---------------------------------------------------------------- independent references
+
+
+def ref_advantages(rewards, G, scale, eps=1e-4):
+    rewards = [float(r) for r in rewards]
+    n = len(rewards)
+    batch_mean = sum(rewards) / n
+    batch_std = math.sqrt(sum((r - batch_mean) ** 2 for r in rewards) / (n - 1))
+    out = []
+    for start in range(0, n, G):
+        group = rewards[start : start + G]
+        mean = sum(group) / G
+        std = math.sqrt(sum((r - mean) ** 2 for r in group) / (G - 1))
+        for r in group:
+            if scale == "group":
+                out.append((r - mean) / (std + eps))
+            elif scale == "batch":
+                out.append((r - mean) / (batch_std + eps))
+            else:
+                out.append(r - mean)
+    return out
+
+
+def ref_loss(logp, old, adv, mask, loss_type, eps_low, eps_high, importance="token", max_new=None, ref=None, beta=0.0, tis_cap=0.0):
+    B, T = len(logp), len(logp[0])
+    per_seq, total, tokens = [], 0.0, 0
+    for i in range(B):
+        idx = [t for t in range(T) if mask[i][t]]
+        if importance == "sequence":
+            s = math.exp(sum(logp[i][t] - old[i][t] for t in idx) / max(1, len(idx)))
+        seq_sum = 0.0
+        for t in idx:
+            if tis_cap > 0:
+                weight, ratio = min(math.exp(logp[i][t] - old[i][t]), tis_cap), 1.0
+            else:
+                weight, ratio = 1.0, math.exp(logp[i][t] - old[i][t])
+            if importance == "sequence":
+                ratio = s
+            clipped = min(max(ratio, 1 - eps_low), 1 + eps_high)
+            term = -min(ratio * adv[i], clipped * adv[i])
+            if beta > 0:
+                d = ref[i][t] - logp[i][t]
+                term += beta * (math.exp(d) - d - 1)
+            seq_sum += weight * term
+        per_seq.append(seq_sum / max(1, len(idx)))
+        total += seq_sum
+        tokens += len(idx)
+    if loss_type == "grpo":
+        return sum(per_seq) / B
+    if loss_type in ("bnpo", "dapo"):
+        return total / tokens
+    if loss_type == "dr_grpo":
+        return total / (B * max_new)
+
+
+def random_batch(seed, B=5, T=7):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    old = logp + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3
+    ref = logp + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.2
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None] < lengths[:, None]).double()
+    return logp, old, ref, adv, mask
+
+
+# ---------------------------------------------------------------- advantages
+
+
+def test_advantages_hand_checked():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
+    adv = group_advantages(rewards, 4, "group")
+    # group 1: mean 0.25, unbiased std 0.5
+    assert torch.allclose(adv[:4], torch.tensor([1.5, -0.5, -0.5, -0.5]), atol=1e-3)
+    assert torch.equal(adv[4:], torch.zeros(4))  # equal rewards: advantage 0
+    assert torch.allclose(group_advantages(rewards, 4, "none")[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]))
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("seed", range(5))
+def test_advantages_match_loops(scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    G = [2, 4, 8][seed % 3]
+    rewards = torch.randint(0, 3, (G * 6,), generator=g).double()
+    got = group_advantages(rewards, G, scale)
+    assert torch.allclose(got, torch.tensor(ref_advantages(rewards.tolist(), G, scale), dtype=torch.float64), atol=1e-10)
+
+
+# ---------------------------------------------------------------- losses
+
+
+def test_loss_hand_checked():
+    # one sequence, two tokens; ratios 2 and 0.5 against eps 0.2
+    logp = torch.log(torch.tensor([[0.4, 0.1]], dtype=torch.float64))
+    old = torch.log(torch.tensor([[0.2, 0.2]], dtype=torch.float64))
+    mask = torch.ones(1, 2, dtype=torch.float64)
+    # A = +1: min(2, 1.2) = 1.2 and min(0.5, 0.8) = 0.5 -> loss -(1.2 + 0.5) / 2
+    loss, m = policy_loss(logp, old, torch.tensor([1.0], dtype=torch.float64), mask, epsilon=0.2)
+    assert loss.item() == pytest.approx(-0.85)
+    assert m["clip_high_tokens"] == 1 and m["clip_low_tokens"] == 0
+    # A = -1: min(-2, -1.2) = -2 and min(-0.5, -0.8) = -0.8 -> loss (2 + 0.8) / 2
+    loss, m = policy_loss(logp, old, torch.tensor([-1.0], dtype=torch.float64), mask, epsilon=0.2)
+    assert loss.item() == pytest.approx(1.4)
+    assert m["clip_low_tokens"] == 1 and m["clip_high_tokens"] == 0
+
+
+CASES = [
+    dict(loss_type="grpo"),
+    dict(loss_type="bnpo"),
+    dict(loss_type="dapo", epsilon_high=0.28),
+    dict(loss_type="dr_grpo"),
+    dict(loss_type="grpo", importance="sequence"),
+    dict(loss_type="bnpo", beta=0.05),
+    dict(loss_type="grpo", tis_cap=1.5),
+    dict(loss_type="dr_grpo", beta=0.1, tis_cap=2.0, epsilon_high=0.3),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
+@pytest.mark.parametrize("seed", range(4))
+def test_loss_matches_loops(case, seed):
+    logp, old, ref, adv, mask = random_batch(seed)
+    eps_high = case.get("epsilon_high", 0.2)
+    kw = {k: v for k, v in case.items() if k != "epsilon_high"}
+    got, _ = policy_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=eps_high, max_new_tokens=7, ref_logp=ref, **kw)
+    want = ref_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), case["loss_type"], 0.2, eps_high, case.get("importance", "token"), 7, ref.tolist(), case.get("beta", 0.0), case.get("tis_cap", 0.0))
+    assert got.item() == pytest.approx(want, rel=1e-10, abs=1e-12)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
+def test_micro_batch_losses_sum_to_the_batch_loss(case):
+    logp, old, ref, adv, mask = random_batch(11, B=6)
+    kw = dict(epsilon=0.2, epsilon_high=case.get("epsilon_high", 0.2), max_new_tokens=7, **{k: v for k, v in case.items() if k != "epsilon_high"})
+    whole, _ = policy_loss(logp, old, adv, mask, ref_logp=ref, **kw)
+    parts = sum(
+        policy_loss(logp[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2], ref_logp=ref[i : i + 2], num_sequences=6, num_tokens=mask.sum(), **kw)[0]
+        for i in range(0, 6, 2)
+    )
+    assert parts.item() == pytest.approx(whole.item(), rel=1e-12)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo"])
+def test_gradient_at_ratio_one(loss_type):
+    """With rho = 1 the gradient is -A * grad(logp), averaged as the type defines."""
+    _, _, _, adv, mask = random_batch(3)
+    logp = (-torch.rand(mask.shape, dtype=torch.float64)).requires_grad_()
+    loss, _ = policy_loss(logp, logp.detach(), adv, mask, loss_type=loss_type, max_new_tokens=7)
+    loss.backward()
+    B, lengths, tokens = mask.shape[0], mask.sum(-1, keepdim=True), mask.sum()
+    norm = {"grpo": B * lengths, "bnpo": tokens, "dr_grpo": B * 7}[loss_type]
+    assert torch.allclose(logp.grad, -adv[:, None] * mask / norm, atol=1e-12)
+
+
+def test_gspo_gradient_flows_per_token():
+    _, old, _, adv, mask = random_batch(5)
+    logp = old.clone().requires_grad_()  # ratio 1: GSPO's gradient is s_i * mean_t grad logp
+    loss, _ = policy_loss(logp, old, adv, mask, importance="sequence")
+    loss.backward()
+    assert torch.allclose(logp.grad, -adv[:, None] * mask / (mask.shape[0] * mask.sum(-1, keepdim=True)), atol=1e-12)
+
+
+def test_overlong_penalty():
+    assert overlong_penalty(10, 32, 8) == 0.0
+    assert overlong_penalty(24, 32, 8) == 0.0
+    assert overlong_penalty(28, 32, 8) == -0.5
+    assert overlong_penalty(32, 32, 8) == -1.0
+
+
+# ---------------------------------------------------------------- invariance to the split
+
+
+def test_one_step_is_invariant_to_learners_and_micro_batches(tiny_model, tmp_path):
+    """1 or 2 FSDP learners, micro-batches of 1, 2 or the whole batch: the same updated
+    weights for every loss type (SGD, so a wrong normaliser cannot hide)."""
+    from safetensors.torch import load_file
+
+    worker = os.path.join(ROOT, "tests", "invariance_worker.py")
+    for n in (1, 2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port", str(free_port()), worker, tiny_model, str(tmp_path)]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-4000:]
+    initial = load_file(os.path.join(tiny_model, "model.safetensors"))
+    names = sorted({os.path.basename(f).split("-")[0] for f in glob.glob(str(tmp_path / "*.pt"))})
+    assert names == ["bnpo", "dapo", "dr_grpo", "grpo", "gspo", "kl_tis"]
+    for name in names:
+        runs = {os.path.basename(f): torch.load(f)["state"] for f in sorted(glob.glob(str(tmp_path / f"{name}-*.pt")))}
+        assert len(runs) == 6
+        first = next(iter(runs.values()))
+        moved = max((first[k] - initial[k]).abs().max().item() for k in initial)
+        assert moved > 1e-3, f"{name}: the step did not move the weights"
+        worst = max((w[k] - first[k]).abs().max().item() for w in runs.values() for k in first)
+        print(f"{name}: moved {moved:.3g}, max diff across splits {worst:.2e}")
+        assert worst < 1e-6, name
