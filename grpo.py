@@ -40,6 +40,7 @@ class Config:
     max_prompt_len: int = 512
     temperature: float = 1.0
     lr: float = 0.0  # 0: 1e-3 for the tiny model, 1e-6 otherwise
+    warmup_steps: int = 10  # linear learning-rate warm-up, then constant
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     micro_batch_size: int = 8  # sequences per forward/backward on each learner
@@ -377,7 +378,7 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
 
     started = time.time()
     mesh = init_device_mesh(device.type, (cfg.learners,))
-    learner = Learner(path, mesh, device, cfg.lr, cfg.weight_decay, cfg.gradient_checkpointing, reference=cfg.beta > 0)
+    learner = Learner(path, mesh, device, cfg.lr, cfg.weight_decay, cfg.gradient_checkpointing, reference=cfg.beta > 0, warmup_steps=cfg.warmup_steps)
     sync_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     bucket_bytes = int(cfg.sync_bucket_mb * 2**20)
     log = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w") if rank == 0 else None
@@ -395,11 +396,12 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
                 log.write(json.dumps({"step": step, **evals}) + "\n")
             break
         rollouts = [c for r in reports for c in r["rollouts"]]
+        lr = learner.schedule.get_last_lr()[0]
         sums, grad_norm = train_step(cfg, learner, rollouts, rank)
         t3 = time.time()
         sums = reduce_metrics(sums)
         if rank == 0:
-            row = {**step_metrics(step, rollouts, reports, sums, grad_norm, t1 - t0, t2 - t1, t3 - t2), **evals}
+            row = {**step_metrics(step, rollouts, reports, sums, grad_norm, lr, t1 - t0, t2 - t1, t3 - t2), **evals}
             log.write(json.dumps(row) + "\n")
             log.flush()
             if cfg.samples_every and step % cfg.samples_every == 0:
@@ -451,7 +453,7 @@ def reduce_metrics(sums):
     return out
 
 
-def step_metrics(step, rollouts, reports, sums, grad_norm, sync_s, wait_s, train_s):
+def step_metrics(step, rollouts, reports, sums, grad_norm, lr, sync_s, wait_s, train_s):
     rewards = torch.tensor([c["reward"] for c in rollouts])
     lengths = torch.tensor([len(c["token_ids"]) for c in rollouts], dtype=torch.float32)
     parts = {name: sum(c["parts"][name] for c in rollouts) / len(rollouts) for name in rollouts[0]["parts"]}
@@ -468,6 +470,7 @@ def step_metrics(step, rollouts, reports, sums, grad_norm, sync_s, wait_s, train
         "truncated_frac": sum(c["truncated"] for c in rollouts) / len(rollouts),
         "loss": sums["loss"],
         "grad_norm": grad_norm,
+        "lr": lr,
         "ratio_mean": sums["ratio_sum"] / tokens,
         "clip_low_frac": sums["clip_low_tokens"] / tokens,
         "clip_high_frac": sums["clip_high_tokens"] / tokens,

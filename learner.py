@@ -26,13 +26,16 @@ def load_sharded(model_path, mesh, device, gradient_checkpointing=False):
 
 
 class Learner:
-    def __init__(self, model_path, mesh, device, lr, weight_decay=0.0, gradient_checkpointing=False, reference=False):
+    def __init__(self, model_path, mesh, device, lr, weight_decay=0.0, gradient_checkpointing=False, reference=False, warmup_steps=0):
         self.device = device
         self.model = load_sharded(model_path, mesh, device, gradient_checkpointing)
         # Losses are normalised by whole-step counts already, so the learners' gradients
         # must be summed; FSDP averages them, so each backward is scaled by the count.
         self.grad_scale = mesh.size()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+        # A linear warm-up: Adam's first, bias-corrected steps move every weight by a
+        # full lr, which is enough to wreck a small policy.
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / (warmup_steps + 1)))
         # A frozen copy of the initial weights for the KL term, sharded like the policy.
         self.reference = load_sharded(model_path, mesh, device).requires_grad_(False) if reference else None
         config = self.model.config
@@ -102,6 +105,7 @@ class Learner:
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         if torch.isfinite(norm):
             self.optimizer.step()
+            self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
