@@ -12,7 +12,10 @@ import argparse
 import dataclasses
 import json
 import os
+import math
 import pickle
+import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -25,6 +28,7 @@ import torch.distributed as dist
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALES = ("group", "batch", "none")
 HUB_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+PREEMPTED = 75  # exit status of every rank after a SIGTERM/SIGINT and a clean checkpoint
 
 
 @dataclass
@@ -66,6 +70,11 @@ class Config:
     eval_size: int = 256  # held-out prompts per eval; 0: the whole test split
     eval_only: bool = False  # evaluate --model and exit
     samples_every: int = 10  # write a few completions to samples.jsonl every K steps; 0: never
+    save_every: int = 0  # checkpoint every N steps (and on preemption); 0: only on preemption
+    keep_last: int = 0  # keep the newest K checkpoints; 0: keep all
+    resume: str = ""  # '--resume' continues from out_dir's latest checkpoint, '--resume PATH' from that one
+    overwrite: bool = False  # replace a run already in out_dir
+    max_skips: int = 3  # abort after this many consecutive steps with a non-finite grad norm
 
 
 def parse_config(argv):
@@ -74,6 +83,8 @@ def parse_config(argv):
         flag = "--" + f.name.replace("_", "-")
         if f.type is bool or f.type == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        elif f.name == "resume":
+            parser.add_argument(flag, nargs="?", const="latest", default=f.default)
         else:
             parser.add_argument(flag, type=type(f.default), default=f.default)
     return Config(**vars(parser.parse_args(argv)))
@@ -132,7 +143,30 @@ def resolve(cfg, world_size, has_gpu):
         parse_reward_spec(cfg.rewards)
     except ValueError as e:
         fail(f"--rewards: {e}")
+    if cfg.resume:
+        cfg.resume = find_checkpoint(cfg)
+    elif os.path.exists(os.path.join(cfg.out_dir, "metrics.jsonl")) and not cfg.overwrite and not cfg.eval_only:
+        fail(f"--out-dir {cfg.out_dir} already holds a run: pass --resume to continue it or --overwrite to replace it")
     return cfg
+
+
+def find_checkpoint(cfg):
+    """The checkpoint folder to resume from, checked complete before anything loads."""
+    path = cfg.resume
+    if path == "latest":
+        marker = os.path.join(cfg.out_dir, "checkpoints", "latest")
+        if not os.path.exists(marker):
+            fail(f"--resume: no checkpoint to resume in {cfg.out_dir} ({marker} does not exist)")
+        path = os.path.join(cfg.out_dir, "checkpoints", open(marker).read().strip())
+    for name in ("trainer.json", "config.json", os.path.join("train_state", ".metadata")):
+        if not os.path.exists(os.path.join(path, name)):
+            fail(f"--resume: checkpoint {path} is incomplete: {name} is missing")
+    try:
+        with open(os.path.join(path, "trainer.json")) as f:
+            json.load(f)["step"]
+    except (ValueError, KeyError) as e:
+        fail(f"--resume: {os.path.join(path, 'trainer.json')} is corrupt ({e})")
+    return path
 
 
 # ---------------------------------------------------------------- the algorithm
@@ -325,7 +359,9 @@ def run_sampler(cfg, path, index, num_samplers, weight_pg, rollout_pg, device):
     reward_fns = parse_reward_spec(cfg.rewards)
     plan = weight_plan(path)
     # One step more than training: the last sync brings the final weights for the last eval.
-    for step in range(cfg.steps + 1):
+    for step in range(start_step(cfg), cfg.steps + 1):
+        if control(weight_pg, 0, device):
+            sys.exit(PREEMPTED)  # the learners saved a checkpoint and stop too
         t0 = time.time()
         engine.load_weights(receive_weights(weight_pg, plan, engine.dtype, device))
         report = {"sync_s": time.time() - t0}
@@ -341,6 +377,20 @@ def run_sampler(cfg, path, index, num_samplers, weight_pg, rollout_pg, device):
                 c["reward"], c["parts"] = score(c["text"], batch[i // cfg.group_size]["gold"], reward_fns)
             report.update(rollouts=completions, sample_s=t2 - t1, reward_s=time.time() - t2)
         exchange(rollout_pg, report)
+
+
+def start_step(cfg):
+    if not cfg.resume:
+        return 0
+    with open(os.path.join(cfg.resume, "trainer.json")) as f:
+        return json.load(f)["step"]
+
+
+def control(pg, stop, device):
+    """Learner 0 tells the samplers, before each step, whether to go on (0) or stop (1)."""
+    flag = torch.tensor([int(stop)], dtype=torch.int64, device=device)
+    pg.broadcast(flag, 0).wait()
+    return bool(flag.item())
 
 
 def eval_due(cfg, step):
@@ -379,12 +429,24 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
     started = time.time()
     mesh = init_device_mesh(device.type, (cfg.learners,))
     learner = Learner(path, mesh, device, cfg.lr, cfg.weight_decay, cfg.gradient_checkpointing, reference=cfg.beta > 0, warmup_steps=cfg.warmup_steps)
+    first = start_step(cfg)
+    if cfg.resume:
+        resume_learner(cfg, learner, rank)
     sync_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     bucket_bytes = int(cfg.sync_bucket_mb * 2**20)
-    log = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w") if rank == 0 else None
-    samples_log = open(os.path.join(cfg.out_dir, "samples.jsonl"), "w") if rank == 0 else None
-    bar = tqdm(total=cfg.steps, desc="grpo", disable=rank != 0)
-    for step in range(cfg.steps + 1):
+    log = open_log(os.path.join(cfg.out_dir, "metrics.jsonl"), first) if rank == 0 else None
+    samples_log = open_log(os.path.join(cfg.out_dir, "samples.jsonl"), first) if rank == 0 else None
+    bar = tqdm(initial=first, total=cfg.steps, desc="grpo", disable=rank != 0)
+    skips, row = 0, {}
+    for step in range(first, cfg.steps + 1):
+        if stop_agreed():
+            save_checkpoint(cfg, learner, step, row, rank, path)
+            if weight_pg is not None:
+                control(weight_pg, 1, weight_device)
+            print(f"rank {rank}: stopped by a signal after step {step}; checkpoint saved; exit {PREEMPTED}", file=sys.stderr)
+            sys.exit(PREEMPTED)
+        if weight_pg is not None:
+            control(weight_pg, 0, weight_device)
         t0 = time.time()
         learner.send_weights(weight_pg, sync_dtype, bucket_bytes, weight_device)
         t1 = time.time()
@@ -400,8 +462,11 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         sums, grad_norm = train_step(cfg, learner, rollouts, rank)
         t3 = time.time()
         sums = reduce_metrics(sums)
+        row = {**step_metrics(step, rollouts, reports, sums, grad_norm, lr, t1 - t0, t2 - t1, t3 - t2), **evals}
+        # Every learner sees the same global norm, so all of them skip alike.
+        skips = 0 if math.isfinite(grad_norm) else skips + 1
+        row["skipped"] = int(skips > 0)
         if rank == 0:
-            row = {**step_metrics(step, rollouts, reports, sums, grad_norm, lr, t1 - t0, t2 - t1, t3 - t2), **evals}
             log.write(json.dumps(row) + "\n")
             log.flush()
             if cfg.samples_every and step % cfg.samples_every == 0:
@@ -410,6 +475,12 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
                 samples_log.flush()
             bar.update()
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}")
+        if skips:
+            print(f"step {step}: non-finite grad norm, optimizer step skipped ({skips} in a row)", file=sys.stderr)
+            if skips >= cfg.max_skips:
+                raise SystemExit(f"rank {rank}: {skips} consecutive steps with a non-finite loss or grad norm (--max-skips {cfg.max_skips}); aborting")
+        if cfg.save_every and (step + 1) % cfg.save_every == 0:
+            save_checkpoint(cfg, learner, step + 1, row, rank, path)
     bar.close()
     if cfg.steps:
         learner.save(os.path.join(cfg.out_dir, "final"), _tokenizer(path) if rank == 0 else None)
@@ -419,6 +490,82 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         curves = plot(cfg.out_dir)
         if curves:
             print(f"curves: {curves}")
+
+
+def open_log(path, first_step):
+    """A JSON-lines log opened for appending, without the rows of steps >= first_step
+    (which a resumed run writes again)."""
+    rows = []
+    if first_step and os.path.exists(path):
+        rows = [line for line in open(path) if json.loads(line)["step"] < first_step]
+    with open(path, "w") as f:
+        f.writelines(rows)
+    return open(path, "a")
+
+
+# ---------------------------------------------------------------- checkpoints and signals
+
+
+def save_checkpoint(cfg, learner, step, row, rank, path):
+    """checkpoints/step_<step>: the policy in Hugging Face format, the sharded training
+    state, every learner's RNG state, and trainer.json (config, step, schedule, metrics).
+    Written under a temporary name and renamed when complete; `latest` moves after."""
+    root = os.path.join(cfg.out_dir, "checkpoints")
+    final, tmp = os.path.join(root, f"step_{step}"), os.path.join(root, f"step_{step}.tmp")
+    started = time.time()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    learner.save(tmp, _tokenizer(path) if rank == 0 else None)
+    schedule = learner.save_state(os.path.join(tmp, "train_state"))
+    torch.save(torch.get_rng_state(), os.path.join(tmp, f"rng_{rank}.pt"))
+    dist.barrier()
+    if rank == 0:
+        with open(os.path.join(tmp, "trainer.json"), "w") as f:
+            json.dump({"step": step, "schedule": schedule, "config": dataclasses.asdict(cfg), "metrics": row}, f)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        with open(os.path.join(root, "latest.tmp"), "w") as f:
+            f.write(f"step_{step}\n")
+        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+        kept = sorted((d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp")), key=lambda d: int(d[5:]))
+        for old in kept[: -cfg.keep_last] if cfg.keep_last else []:
+            shutil.rmtree(os.path.join(root, old))
+        print(f"checkpoint {final} saved in {time.time() - started:.1f} s", file=sys.stderr)
+    dist.barrier()
+
+
+def resume_learner(cfg, learner, rank):
+    with open(os.path.join(cfg.resume, "trainer.json")) as f:
+        trainer = json.load(f)
+    try:
+        learner.load_state(os.path.join(cfg.resume, "train_state"), trainer["schedule"])
+    except Exception as e:  # a half-read state must never train on
+        raise SystemExit(f"--resume: cannot load {os.path.join(cfg.resume, 'train_state')}: {e}")
+    rng = os.path.join(cfg.resume, f"rng_{rank}.pt")
+    if os.path.exists(rng):
+        torch.set_rng_state(torch.load(rng))
+
+
+STOP = {"at": None}
+
+
+def on_signal(signum, frame):
+    """First SIGTERM/SIGINT: finish the step, checkpoint, exit PREEMPTED. A second one a
+    second or more later exits at once (torchrun forwards the signal that a terminal
+    already sent the whole process group, so an immediate repeat is the same one)."""
+    if STOP["at"] is None:
+        STOP["at"] = time.time()
+    elif time.time() - STOP["at"] > 1.0:
+        os._exit(PREEMPTED)
+
+
+def stop_agreed():
+    """Whether any learner was signalled: all of them stop at the same step."""
+    flag = torch.tensor([float(STOP["at"] is not None)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def summary(cfg, metrics_path, wall_s):
@@ -551,6 +698,8 @@ def main(argv=None):
     weight_device = device if gpus and local_world <= gpus else torch.device("cpu")
     os.makedirs(cfg.out_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
 
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(minutes=30))
     path = model_path(cfg, local_rank)

@@ -133,6 +133,33 @@ class Learner:
                 _broadcast_bucket(pg, bucket)
             pg.broadcast(torch.zeros(1, dtype=torch.int64, device=comm_device), 0).wait()  # end of sync
 
+    def save_state(self, path):
+        """Sharded optimizer, policy and reference state with torch.distributed.checkpoint:
+        each learner writes its own shards."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        model, optim = get_state_dict(self.model, self.optimizer)
+        state = {"model": model, "optim": optim}
+        if self.reference is not None:
+            state["reference"] = get_model_state_dict(self.reference)
+        dcp.save(state, checkpoint_id=path)
+        return self.schedule.state_dict()
+
+    def load_state(self, path, schedule):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
+
+        model, optim = get_state_dict(self.model, self.optimizer)
+        state = {"model": model, "optim": optim}
+        if self.reference is not None:
+            state["reference"] = get_model_state_dict(self.reference)
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if self.reference is not None:
+            set_model_state_dict(self.reference, state["reference"])
+        self.schedule.load_state_dict(schedule)
+
     def save(self, path, tokenizer=None):
         """Full weights in Hugging Face format; all learners call it, rank 0 writes."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
