@@ -158,14 +158,17 @@ def find_checkpoint(cfg):
         if not os.path.exists(marker):
             fail(f"--resume: no checkpoint to resume in {cfg.out_dir} ({marker} does not exist)")
         path = os.path.join(cfg.out_dir, "checkpoints", open(marker).read().strip())
-    for name in ("trainer.json", "config.json", os.path.join("train_state", ".metadata")):
+    trainer = os.path.join(path, "trainer.json")
+    try:
+        with open(trainer) as f:
+            json.load(f)["step"]
+    except FileNotFoundError:
+        fail(f"--resume: checkpoint {path} is incomplete: trainer.json is missing")
+    except (ValueError, KeyError) as e:
+        fail(f"--resume: {trainer} is corrupt ({e})")
+    for name in ("config.json", os.path.join("train_state", ".metadata")):
         if not os.path.exists(os.path.join(path, name)):
             fail(f"--resume: checkpoint {path} is incomplete: {name} is missing")
-    try:
-        with open(os.path.join(path, "trainer.json")) as f:
-            json.load(f)["step"]
-    except (ValueError, KeyError) as e:
-        fail(f"--resume: {os.path.join(path, 'trainer.json')} is corrupt ({e})")
     return path
 
 
@@ -671,6 +674,18 @@ def plot(out_dir):
     return path
 
 
+def die_with_parent():
+    """torchrun starts each rank in a session of its own, so killing torchrun outright
+    (kill -9, an OOM kill) would leave the ranks running on their own. Linux can tie a
+    process's life to its parent's."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: a killed torchrun may leave ranks behind
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plot"]:
@@ -700,6 +715,7 @@ def main(argv=None):
     torch.manual_seed(cfg.seed)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    die_with_parent()
 
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(minutes=30))
     path = model_path(cfg, local_rank)
