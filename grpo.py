@@ -14,7 +14,6 @@ import json
 import os
 import math
 import pickle
-import shutil
 import signal
 import sys
 import time
@@ -510,45 +509,19 @@ def open_log(path, first_step):
 
 
 def save_checkpoint(cfg, learner, step, row, rank, path):
-    """checkpoints/step_<step>: the policy in Hugging Face format, the sharded training
-    state, every learner's RNG state, and trainer.json (config, step, schedule, metrics).
-    Written under a temporary name and renamed when complete; `latest` moves after."""
-    root = os.path.join(cfg.out_dir, "checkpoints")
-    final, tmp = os.path.join(root, f"step_{step}"), os.path.join(root, f"step_{step}.tmp")
-    started = time.time()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    learner.save(tmp, _tokenizer(path) if rank == 0 else None)
-    schedule = learner.save_state(os.path.join(tmp, "train_state"))
-    torch.save(torch.get_rng_state(), os.path.join(tmp, f"rng_{rank}.pt"))
-    dist.barrier()
-    if rank == 0:
-        with open(os.path.join(tmp, "trainer.json"), "w") as f:
-            json.dump({"step": step, "schedule": schedule, "config": dataclasses.asdict(cfg), "metrics": row}, f)
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        with open(os.path.join(root, "latest.tmp"), "w") as f:
-            f.write(f"step_{step}\n")
-        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
-        kept = sorted((d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp")), key=lambda d: int(d[5:]))
-        for old in kept[: -cfg.keep_last] if cfg.keep_last else []:
-            shutil.rmtree(os.path.join(root, old))
-        print(f"checkpoint {final} saved in {time.time() - started:.1f} s", file=sys.stderr)
-    dist.barrier()
+    from learner import save_checkpoint as save
+
+    info = {"config": dataclasses.asdict(cfg), "metrics": row}
+    save(learner, os.path.join(cfg.out_dir, "checkpoints"), step, info, cfg.keep_last, _tokenizer(path) if rank == 0 else None)
 
 
 def resume_learner(cfg, learner, rank):
-    with open(os.path.join(cfg.resume, "trainer.json")) as f:
-        trainer = json.load(f)
+    from learner import load_checkpoint
+
     try:
-        learner.load_state(os.path.join(cfg.resume, "train_state"), trainer["schedule"])
+        load_checkpoint(learner, cfg.resume)
     except Exception as e:  # a half-read state must never train on
-        raise SystemExit(f"--resume: cannot load {os.path.join(cfg.resume, 'train_state')}: {e}")
-    rng = os.path.join(cfg.resume, f"rng_{rank}.pt")
-    if os.path.exists(rng):
-        torch.set_rng_state(torch.load(rng))
+        raise SystemExit(f"--resume: cannot load {cfg.resume}: {e}")
 
 
 STOP = {"at": None}

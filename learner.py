@@ -1,6 +1,12 @@
 """The trained policy: a Hugging Face causal LM under FSDP2, token log-probs,
 forward/backward over micro-batches, grad clipping and the optimizer step, and
-sending full weights to the samplers."""
+sending full weights to the samplers, and checkpoints."""
+
+import json
+import os
+import shutil
+import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -133,28 +139,30 @@ class Learner:
                 _broadcast_bucket(pg, bucket)
             pg.broadcast(torch.zeros(1, dtype=torch.int64, device=comm_device), 0).wait()  # end of sync
 
-    def save_state(self, path):
-        """Sharded optimizer, policy and reference state with torch.distributed.checkpoint:
-        each learner writes its own shards."""
-        import torch.distributed.checkpoint as dcp
+    def train_state(self):
+        """Policy, optimizer and reference state dicts, sharded as they live."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         model, optim = get_state_dict(self.model, self.optimizer)
         state = {"model": model, "optim": optim}
         if self.reference is not None:
             state["reference"] = get_model_state_dict(self.reference)
-        dcp.save(state, checkpoint_id=path)
+        return state
+
+    def save_state(self, path):
+        """The training state with torch.distributed.checkpoint: each learner writes its
+        own shards. Returns the LR schedule's state, which is small and the same everywhere."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self.train_state(), checkpoint_id=path)
         return self.schedule.state_dict()
 
     def load_state(self, path, schedule):
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-        model, optim = get_state_dict(self.model, self.optimizer)
-        state = {"model": model, "optim": optim}
-        if self.reference is not None:
-            state["reference"] = get_model_state_dict(self.reference)
-        dcp.load(state, checkpoint_id=path)
+        state = self.train_state()
+        dcp.load(state, checkpoint_id=path)  # in place, into the shards of `state`
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if self.reference is not None:
             set_model_state_dict(self.reference, state["reference"])
@@ -169,6 +177,49 @@ class Learner:
             self.model.save_pretrained(path, state_dict=state)
             if tokenizer is not None:
                 tokenizer.save_pretrained(path)
+
+
+def save_checkpoint(learner, root, step, info, keep_last=0, tokenizer=None):
+    """root/step_<step>: the policy in Hugging Face format, the sharded training state,
+    every learner's RNG state, and trainer.json (step, LR schedule, and `info`). Written
+    under a temporary name and renamed when complete; `latest` moves only after that,
+    so a kill at any moment leaves `latest` on a complete checkpoint. All learners call
+    it; rank 0 holds the tokenizer."""
+    rank = dist.get_rank()
+    final, tmp = os.path.join(root, f"step_{step}"), os.path.join(root, f"step_{step}.tmp")
+    started = time.time()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    learner.save(tmp, tokenizer)
+    schedule = learner.save_state(os.path.join(tmp, "train_state"))
+    torch.save(torch.get_rng_state(), os.path.join(tmp, f"rng_{rank}.pt"))
+    dist.barrier()
+    if rank == 0:
+        with open(os.path.join(tmp, "trainer.json"), "w") as f:
+            json.dump({"step": step, "schedule": schedule, **info}, f)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        with open(os.path.join(root, "latest.tmp"), "w") as f:
+            f.write(f"step_{step}\n")
+        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+        kept = sorted((d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp")), key=lambda d: int(d[5:]))
+        for old in kept[:-keep_last] if keep_last else []:
+            shutil.rmtree(os.path.join(root, old))
+        print(f"checkpoint {final} saved in {time.time() - started:.2f} s", file=sys.stderr)
+    dist.barrier()
+
+
+def load_checkpoint(learner, path):
+    """Restore what save_checkpoint wrote; returns its trainer.json."""
+    with open(os.path.join(path, "trainer.json")) as f:
+        trainer = json.load(f)
+    learner.load_state(os.path.join(path, "train_state"), trainer["schedule"])
+    rng = os.path.join(path, f"rng_{dist.get_rank()}.pt")
+    if os.path.exists(rng):
+        torch.set_rng_state(torch.load(rng))
+    return trainer
 
 
 def _broadcast_bucket(pg, bucket):
