@@ -11,8 +11,8 @@ take the rollouts, compute group advantages and take one optimizer step."""
 import argparse
 import dataclasses
 import json
-import os
 import math
+import os
 import pickle
 import signal
 import sys
@@ -36,7 +36,7 @@ class Config:
     dataset: str = "auto"  # 'synthetic', 'gsm8k' (the hub) or a .jsonl/.json/.parquet path; auto follows --model
     split: str = "train"
     learners: int = 1  # ranks 0..learners-1 train; the other ranks sample
-    steps: int = 20
+    steps: int = 200
     prompts_per_step: int = 16
     group_size: int = 8  # completions per prompt (G)
     max_new_tokens: int = 0  # 0: 24 for the tiny model, 512 otherwise
@@ -257,7 +257,8 @@ def train_step(cfg, learner, rollouts, rank):
     for c, a in zip(rollouts, group_advantages(rewards, G, cfg.scale).tolist()):
         c["advantage"] = a
     groups = [rollouts[i : i + G] for i in range(0, len(rollouts), G)]
-    uniform = [len({c["reward"] for c in g}) == 1 for g in groups]
+    by_group = rewards.view(-1, G)
+    uniform = (by_group.max(dim=1).values == by_group.min(dim=1).values).tolist()
     if cfg.drop_uniform_groups:  # DAPO's dynamic sampling: such groups carry no signal
         groups = [g for g, u in zip(groups, uniform) if not u]
     batch = [c for g in groups for c in g if not (cfg.overlong == "mask" and c["truncated"])]

@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-GPUS=$(ls /proc/driver/nvidia/gpus 2>/dev/null | wc -l)
+GPUS=$( { ls /proc/driver/nvidia/gpus 2>/dev/null || true; } | wc -l)
 REQUIREMENTS=$( [ "$GPUS" -gt 0 ] && echo requirements.txt || echo requirements-cpu.txt )
 STAMP=".venv/installed-$(sha1sum "$REQUIREMENTS" | cut -c1-12)"
 if [ -z "${PYTHON:-}" ] && [ ! -f "$STAMP" ]; then
