@@ -154,3 +154,13 @@ def test_checkpoint_loads_in_transformers_and_vllm_alike(tiny_model, tmp_path):
     gap = (hf - vllm).abs().max().item()
     print(f"checkpoint log-probs, transformers vs vLLM: max abs diff {gap:.2e}")
     assert gap < 1e-4
+
+
+def test_non_finite_steps_are_skipped_then_abort(tiny_model, tmp_path):
+    out = tmp_path / "run"
+    result = torchrun(3, *FAST, "--steps", 10, "--rewards", "accuracy,tests.nan_reward:nan", "--max-skips", 2, "--out-dir", out)
+    assert result.returncode != 0
+    assert "2 consecutive steps with a non-finite loss or grad norm" in result.stdout
+    metrics = rows(out)
+    assert [r["step"] for r in metrics] == [0, 1] and all(r["skipped"] == 1 for r in metrics)
+    assert not (out / "final").exists()

@@ -38,7 +38,7 @@ def test_grpo_improves_accuracy(tiny_model, tmp_path):
 
 def test_eval_only_on_a_saved_policy(tiny_model, tmp_path):
     out = tmp_path / "eval"
-    result = torchrun(2, "--learners", 1, "--eval-only", "--model", tiny_model, "--eval-size", 16, "--out-dir", out)
+    result = torchrun(2, "--learners", 1, "--eval-only", "--model", tiny_model, "--dataset", "synthetic", "--eval-size", 16, "--out-dir", out)
     assert result.returncode == 0, result.stdout[-5000:]
     (row,) = rows(out)
     assert row["step"] == 0 and 0 <= row["eval_accuracy"] <= 1 and row["eval_format"] > 0.5

@@ -1,15 +1,16 @@
 """The real vLLM engine in this process: sampling with log-probs, and weights loaded in
 place matching a transformers forward of the same weights."""
 
-import threading
+import os
+import subprocess
+import sys
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import free_port
-from learner import _broadcast_bucket
+from conftest import ROOT, free_port
 from sampler import Sampler, receive_weights
 
 
@@ -53,44 +54,58 @@ def test_sampling_shapes_and_determinism(engine):
     assert [x["token_ids"] for x in greedy] == [x["token_ids"] for x in engine.sample(batch, 1, 16, 0.0, seed=1)]
 
 
-def test_weights_sent_over_a_real_group_load_in_place(engine, tiny_model):
-    """Perturb the weights, broadcast them in buckets over a real gloo group from a
-    sender thread, load them into the running engine, and compare the engine's
-    log-probs of its own samples with transformers on the perturbed weights."""
+SENDER = """
+import sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[3])
+from learner import _broadcast_bucket
+from test_sampler import perturbed
+model = perturbed(sys.argv[1])
+store = dist.TCPStore("127.0.0.1", int(sys.argv[2]), is_master=False, timeout=timedelta(seconds=120))
+pg = dist.ProcessGroupGloo(dist.PrefixStore("w", store), 0, 2, timedelta(seconds=120))
+bucket, sent = [], 0
+for _, p in model.named_parameters():
+    bucket.append(p.detach().flatten())
+    if len(bucket) == 5:  # several buckets, each holding several tensors
+        _broadcast_bucket(pg, bucket)
+        bucket, sent = [], sent + 1
+_broadcast_bucket(pg, bucket)
+pg.broadcast(torch.zeros(1, dtype=torch.int64), 0).wait()
+print("BUCKETS", sent + 1)
+"""
+
+
+def perturbed(path):
     from transformers import AutoModelForCausalLM
 
-    from grpo import weight_plan
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     torch.manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def test_weights_sent_over_a_real_group_load_in_place(engine, tiny_model):
+    """Perturb the weights, broadcast them in buckets over a real gloo group from another
+    process, load them into the running engine, and compare the engine's log-probs of
+    its own samples with transformers on the perturbed weights."""
+    from grpo import weight_plan
+
+    model = perturbed(tiny_model)
     batch = prompts(engine)
     stale = engine.sample(batch, 2, 16, 1.0, seed=3)
     assert max_gap(model, stale) > 1e-2  # the perturbation is visible
 
-    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    sent = []
-
-    def send():
-        pg = dist.ProcessGroupGloo(dist.PrefixStore("w", store), 0, 2, timedelta(seconds=60))
-        bucket = []
-        for _, p in model.named_parameters():
-            bucket.append(p.detach().flatten())
-            if len(bucket) == 5:  # several buckets, each holding several tensors
-                _broadcast_bucket(pg, bucket)
-                sent.append(len(bucket))
-                bucket = []
-        _broadcast_bucket(pg, bucket)
-        pg.broadcast(torch.zeros(1, dtype=torch.int64), 0).wait()
-
-    sender = threading.Thread(target=send)
-    sender.start()
-    pg = dist.ProcessGroupGloo(dist.PrefixStore("w", store), 1, 2, timedelta(seconds=60))
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    sender = subprocess.Popen([sys.executable, "-c", SENDER, tiny_model, str(port), ROOT], cwd=os.path.join(ROOT, "tests"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("w", store), 1, 2, timedelta(seconds=120))
     engine.load_weights(receive_weights(pg, weight_plan(tiny_model), engine.dtype, torch.device("cpu")))
-    sender.join()
-    assert len(sent) > 2
+    out, err = sender.communicate(timeout=120)
+    assert sender.returncode == 0, err[-3000:]
+    assert int(out.split("BUCKETS")[1]) > 2
     fresh = engine.sample(batch, 2, 16, 1.0, seed=3)
     gap = max_gap(model, fresh)
     print(f"sampler vs transformers log-prob max abs diff after sync: {gap:.2e}")
