@@ -355,10 +355,11 @@ def run_sampler(cfg, path, index, num_samplers, weight_pg, rollout_pg, device):
     from rewards import parse_reward_spec, score
     from sampler import Sampler, receive_weights
 
-    engine = Sampler(path, cfg.max_prompt_len + cfg.max_new_tokens, cfg.seed, gpu_memory_utilization=cfg.sampler_gpu_memory, kv_cache_gb=cfg.sampler_kv_cache_gb)
-    tokenizer = engine.llm.get_tokenizer()
+    # Data first: a bad dataset stops the job before the engine loads.
+    tokenizer = _tokenizer(path)
     prompts = load_prompts(cfg.dataset, cfg.split, tokenizer, cfg.max_prompt_len) if cfg.steps else []
     eval_prompts = load_prompts(cfg.eval_dataset or cfg.dataset, "test", tokenizer, cfg.max_prompt_len)[: cfg.eval_size or None] if cfg.eval_every or cfg.eval_only else []
+    engine = Sampler(path, cfg.max_prompt_len + cfg.max_new_tokens, cfg.seed, gpu_memory_utilization=cfg.sampler_gpu_memory, kv_cache_gb=cfg.sampler_kv_cache_gb)
     reward_fns = parse_reward_spec(cfg.rewards)
     plan = weight_plan(path)
     # One step more than training: the last sync brings the final weights for the last eval.
