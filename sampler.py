@@ -13,12 +13,13 @@ from vllm.inputs import TokensPrompt
 
 
 class Sampler:
-    def __init__(self, model, max_model_len, seed, dtype="auto", gpu_memory_utilization=0.3, kv_cache_gb=1.0):
+    def __init__(self, model, max_model_len, seed, gpu_memory_utilization=0.3, kv_cache_gb=1.0):
         on_gpu = torch.cuda.is_available()
         memory = {"gpu_memory_utilization": gpu_memory_utilization} if on_gpu else {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)}
         self.llm = LLM(
             model=model,
-            dtype=dtype if on_gpu else "float32",
+            # The dtype the learners broadcast in (learner.py): bf16 on GPU, float32 on CPU.
+            dtype="bfloat16" if on_gpu else "float32",
             enforce_eager=not on_gpu,
             max_model_len=max_model_len,
             seed=seed,
