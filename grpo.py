@@ -433,6 +433,7 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
     started = time.time()
     mesh = init_device_mesh(device.type, (cfg.learners,))
     learner = Learner(path, mesh, device, cfg.lr, cfg.weight_decay, cfg.gradient_checkpointing, reference=cfg.beta > 0, warmup_steps=cfg.warmup_steps)
+    tokenizer = _tokenizer(path) if rank == 0 else None  # saved beside every checkpoint
     first = start_step(cfg)
     if cfg.resume:
         resume_learner(cfg, learner, rank)
@@ -444,7 +445,7 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
     skips, row = 0, {}
     for step in range(first, cfg.steps + 1):
         if stop_agreed():
-            save_checkpoint(cfg, learner, step, row, rank, path)
+            save_checkpoint(cfg, learner, step, row, tokenizer)
             if weight_pg is not None:
                 control(weight_pg, 1, weight_device)
             print(f"rank {rank}: stopped by a signal after step {step}; checkpoint saved; exit {PREEMPTED}", file=sys.stderr)
@@ -484,10 +485,10 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
             if skips >= cfg.max_skips:
                 raise SystemExit(f"rank {rank}: {skips} consecutive steps with a non-finite loss or grad norm (--max-skips {cfg.max_skips}); aborting")
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            save_checkpoint(cfg, learner, step + 1, row, rank, path)
+            save_checkpoint(cfg, learner, step + 1, row, tokenizer)
     bar.close()
     if cfg.steps:
-        learner.save(os.path.join(cfg.out_dir, "final"), _tokenizer(path) if rank == 0 else None)
+        learner.save(os.path.join(cfg.out_dir, "final"), tokenizer)
     if rank == 0:
         log.close()
         print(summary(cfg, os.path.join(cfg.out_dir, "metrics.jsonl"), time.time() - started))
@@ -510,11 +511,11 @@ def open_log(path, first_step):
 # ---------------------------------------------------------------- checkpoints and signals
 
 
-def save_checkpoint(cfg, learner, step, row, rank, path):
+def save_checkpoint(cfg, learner, step, row, tokenizer):
     from learner import save_checkpoint as save
 
     info = {"config": dataclasses.asdict(cfg), "metrics": row}
-    save(learner, os.path.join(cfg.out_dir, "checkpoints"), step, info, cfg.keep_last, _tokenizer(path) if rank == 0 else None)
+    save(learner, os.path.join(cfg.out_dir, "checkpoints"), step, info, cfg.keep_last, tokenizer)
 
 
 def resume_learner(cfg, learner, rank):
@@ -568,14 +569,13 @@ def _tokenizer(path):
 
 def reduce_metrics(sums):
     """Sum the learners' metric sums; take the max of the maxima."""
-    names = sorted(k for k in sums if not k.endswith("_max"))
+    maxima = sorted(k for k in sums if k.endswith("_max"))
+    names = sorted(k for k in sums if k not in maxima)
     total = torch.tensor([sums[k] for k in names], dtype=torch.float64)
-    peak = torch.tensor([sums[k] for k in sorted(k for k in sums if k.endswith("_max"))], dtype=torch.float64)
+    peak = torch.tensor([sums[k] for k in maxima], dtype=torch.float64)
     dist.all_reduce(total)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    out = dict(zip(names, total.tolist()))
-    out.update(zip(sorted(k for k in sums if k.endswith("_max")), peak.tolist()))
-    return out
+    return {**dict(zip(names, total.tolist())), **dict(zip(maxima, peak.tolist()))}
 
 
 def step_metrics(step, rollouts, reports, sums, grad_norm, lr, sync_s, wait_s, train_s):
