@@ -46,7 +46,9 @@ class Config:
     warmup_steps: int = 10  # linear learning-rate warm-up, then constant
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    micro_batch_size: int = 8  # sequences per forward/backward on each learner
+    micro_batch_size: int = 8  # sequences per forward/backward on each learner, when not packing by tokens
+    max_tokens_per_microbatch: int = 4096  # pack length-sorted sequences into micro-batches of at most this many padded tokens; 0: --micro-batch-size sequences
+    max_staleness: int = 0  # 0: sample each step with its own weights; 1: sample step k+1 while step k trains
     loss_type: str = "grpo"  # grpo | bnpo | dr_grpo | dapo
     epsilon: float = 0.2
     epsilon_high: float = 0.0  # 0: same as epsilon; larger is DAPO's clip-higher
@@ -122,7 +124,11 @@ def resolve(cfg, world_size, has_gpu):
         fail(f"--prompts-per-step {cfg.prompts_per_step} must be a positive multiple of the {samplers} sampler ranks")
     if (cfg.prompts_per_step * cfg.group_size) % cfg.learners:
         fail(f"--prompts-per-step x --group-size ({cfg.prompts_per_step * cfg.group_size}) must divide across the {cfg.learners} learners")
-    for name, value, low in [("steps", cfg.steps, 0), ("micro-batch-size", cfg.micro_batch_size, 1), ("max-new-tokens", cfg.max_new_tokens, 1), ("max-prompt-len", cfg.max_prompt_len, 1)]:
+    if cfg.max_staleness not in (0, 1):
+        fail(f"--max-staleness must be 0 or 1, got {cfg.max_staleness}: rollouts travel over blocking collectives, so the samplers run at most one step ahead")
+    if cfg.max_tokens_per_microbatch and cfg.max_tokens_per_microbatch < cfg.max_prompt_len + cfg.max_new_tokens:
+        fail(f"--max-tokens-per-microbatch {cfg.max_tokens_per_microbatch} cannot hold one sequence of --max-prompt-len + --max-new-tokens ({cfg.max_prompt_len + cfg.max_new_tokens}) tokens")
+    for name, value, low in [("steps", cfg.steps, 0), ("micro-batch-size", cfg.micro_batch_size, 1), ("max-tokens-per-microbatch", cfg.max_tokens_per_microbatch, 0), ("max-new-tokens", cfg.max_new_tokens, 1), ("max-prompt-len", cfg.max_prompt_len, 1)]:
         if value < low:
             fail(f"--{name} must be at least {low}, got {value}")
     if cfg.temperature <= 0:
@@ -263,11 +269,10 @@ def train_step(cfg, learner, rollouts, rank):
         groups = [g for g, u in zip(groups, uniform) if not u]
     batch = [c for g in groups for c in g if not (cfg.overlong == "mask" and c["truncated"])]
     # Every learner runs the same number of micro-batches, since each forward is a
-    # collective; a learner with fewer rollouts runs empty ones.
+    # collective; a learner with fewer runs empty ones.
     per_rank = -(-len(batch) // cfg.learners)
-    mine = batch[rank * per_rank : (rank + 1) * per_rank]
-    count = max(1, -(-per_rank // cfg.micro_batch_size))
-    micro_batches = [mine[i * cfg.micro_batch_size : (i + 1) * cfg.micro_batch_size] for i in range(count)]
+    packs = [micro_batches(batch[r * per_rank : (r + 1) * per_rank], cfg.max_tokens_per_microbatch, cfg.micro_batch_size) for r in range(cfg.learners)]
+    mine = packs[rank] + [[]] * (max(1, max(map(len, packs))) - len(packs[rank]))
     loss_fn = partial(
         policy_loss,
         loss_type=cfg.loss_type,
@@ -280,7 +285,7 @@ def train_step(cfg, learner, rollouts, rank):
         beta=cfg.beta,
         tis_cap=cfg.tis_cap,
     )
-    sums = learner.forward_backward(micro_batches, loss_fn, cfg.temperature)
+    sums = learner.forward_backward(mine, loss_fn, cfg.temperature)
     if batch:
         grad_norm = learner.clip_grad_and_step(cfg.max_grad_norm)
     else:  # every group dropped: no step at all, on any learner (they all see the same batch)
@@ -288,8 +293,29 @@ def train_step(cfg, learner, rollouts, rank):
         grad_norm = 0.0
     sums["groups_uniform"] = sum(uniform) if rank == 0 else 0
     sums["groups_dropped"] = sums["groups_uniform"] if cfg.drop_uniform_groups else 0
-    sums["sequences_trained"] = len(mine)
+    sums["sequences_trained"] = sum(map(len, mine))
+    sums["positions"] = sum(len(mb) * max(map(sequence_length, mb)) for mb in mine if mb)
+    sums["padding"] = sums["positions"] - sum(sequence_length(c) for mb in mine for c in mb)
     return sums, grad_norm
+
+
+def sequence_length(c):
+    return len(c["prompt_ids"]) + len(c["token_ids"])
+
+
+def micro_batches(rollouts, max_tokens, max_sequences):
+    """Split one learner's rollouts, sorted by length so that neighbours pad little,
+    into micro-batches of at most max_tokens once padded to their longest (or of
+    max_sequences each when max_tokens is 0). The losses are normalised by whole-step
+    counts, so the split changes nothing but speed and memory."""
+    out = []
+    for c in sorted(rollouts, key=sequence_length):
+        rows = len(out[-1]) + 1 if out else 1
+        fits = rows * sequence_length(c) <= max_tokens if max_tokens else rows <= max_sequences
+        if not out or not fits:
+            out.append([])
+        out[-1].append(c)
+    return out
 
 
 # ---------------------------------------------------------------- processes and groups
@@ -323,6 +349,11 @@ def exchange(pg, obj):
     return [pickle.loads(o[: int(s)].numpy().tobytes()) for o, s in zip(out, sizes)]
 
 
+def from_samplers(pg):
+    """A learner's side of an exchange: what each sampler sent."""
+    return [r for r in exchange(pg, None) if r is not None]
+
+
 def model_path(cfg, local_rank):
     """The model folder; the tiny model is built once per machine by local rank 0."""
     if cfg.model != "tiny":
@@ -347,6 +378,27 @@ def weight_plan(path):
     return [(name, p.shape) for name, p in model.named_parameters()]
 
 
+def bucket_plan(plan, element_size, bucket_bytes):
+    """The weight plan cut into consecutive buckets of about bucket_bytes. Learner 0 and
+    the samplers both compute it, so only the flat data travels."""
+    buckets, size = [[]], 0
+    for name, shape in plan:
+        if size >= bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, shape))
+        size += shape.numel() * element_size
+    return buckets
+
+
+def syncs_before_sampling(cfg, step, first):
+    """Whether the weights of `step` reach the samplers before they sample it. With
+    --max-staleness 1 they arrive just after, so that the samplers draw step k+1 with
+    step k's weights while the learners train step k; the first step of a run, and the
+    final weights (for the last eval), always sync first."""
+    return cfg.max_staleness == 0 or step in (first, cfg.steps)
+
+
 # ---------------------------------------------------------------- the two roles
 
 
@@ -361,26 +413,36 @@ def run_sampler(cfg, path, index, num_samplers, weight_pg, rollout_pg, device):
     eval_prompts = load_prompts(cfg.eval_dataset or cfg.dataset, "test", tokenizer, cfg.max_prompt_len)[: cfg.eval_size or None] if cfg.eval_every or cfg.eval_only else []
     engine = Sampler(path, cfg.max_prompt_len + cfg.max_new_tokens, cfg.seed, gpu_memory_utilization=cfg.sampler_gpu_memory, kv_cache_gb=cfg.sampler_kv_cache_gb)
     reward_fns = parse_reward_spec(cfg.rewards)
-    plan = weight_plan(path)
-    # One step more than training: the last sync brings the final weights for the last eval.
-    for step in range(start_step(cfg), cfg.steps + 1):
+    buckets = bucket_plan(weight_plan(path), engine.dtype.itemsize, int(cfg.sync_bucket_mb * 2**20))
+
+    def sync(step):
+        """Load the weights of `step` (or stop), then evaluate them when an eval is due."""
         if control(weight_pg, 0, device):
             sys.exit(PREEMPTED)  # the learners saved a checkpoint and stop too
-        t0 = time.time()
-        engine.load_weights(receive_weights(weight_pg, plan, engine.dtype, device))
-        report = {"sync_s": time.time() - t0}
+        engine.load_weights(receive_weights(weight_pg, buckets, engine.dtype, device))
         if eval_due(cfg, step):
-            report["eval"] = evaluate(engine, eval_prompts[index::num_samplers], cfg, reward_fns)
-        if step < cfg.steps:
-            t1 = time.time()
-            batch = shard([prompts[i] for i in step_indices(len(prompts), step, cfg.prompts_per_step, cfg.seed)], index, num_samplers)
-            seed = (cfg.seed * 1_000_003 + step) * 1009 + index
-            completions = engine.sample([p["prompt_ids"] for p in batch], cfg.group_size, cfg.max_new_tokens, cfg.temperature, seed)
-            t2 = time.time()
-            for i, c in enumerate(completions):
-                c["reward"], c["parts"] = score(c["text"], batch[i // cfg.group_size]["gold"], reward_fns)
-            report.update(rollouts=completions, sample_s=t2 - t1, reward_s=time.time() - t2)
+            exchange(rollout_pg, {"eval": evaluate(engine, eval_prompts[index::num_samplers], cfg, reward_fns)})
+        return step
+
+    first = start_step(cfg)
+    weights_step = first
+    # One step more than training: the last sync brings the final weights for the last eval.
+    for step in range(first, cfg.steps + 1):
+        if syncs_before_sampling(cfg, step, first):
+            weights_step = sync(step)
+        if step == cfg.steps:
+            break
+        t1 = time.time()
+        batch = shard([prompts[i] for i in step_indices(len(prompts), step, cfg.prompts_per_step, cfg.seed)], index, num_samplers)
+        seed = (cfg.seed * 1_000_003 + step) * 1009 + index
+        completions = engine.sample([p["prompt_ids"] for p in batch], cfg.group_size, cfg.max_new_tokens, cfg.temperature, seed)
+        t2 = time.time()
+        for i, c in enumerate(completions):
+            c["reward"], c["parts"] = score(c["text"], batch[i // cfg.group_size]["gold"], reward_fns)
+        report = {"rollouts": completions, "weights_step": weights_step, "sample_s": t2 - t1, "reward_s": time.time() - t2, "peak_memory_mb": peak_memory_mb(device)}
         exchange(rollout_pg, report)
+        if not syncs_before_sampling(cfg, step, first):
+            weights_step = sync(step)
 
 
 def start_step(cfg):
@@ -438,36 +500,54 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
     if cfg.resume:
         resume_learner(cfg, learner, rank)
     sync_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    bucket_bytes = int(cfg.sync_bucket_mb * 2**20)
+    buckets = bucket_plan(weight_plan(path), sync_dtype.itemsize, int(cfg.sync_bucket_mb * 2**20))
+    memcpy_s = memcpy_seconds(sum(shape.numel() for b in buckets for _, shape in b) * sync_dtype.itemsize, weight_device)
     log = open_log(os.path.join(cfg.out_dir, "metrics.jsonl"), first) if rank == 0 else None
     samples_log = open_log(os.path.join(cfg.out_dir, "samples.jsonl"), first) if rank == 0 else None
     bar = tqdm(initial=first, total=cfg.steps, desc="grpo", disable=rank != 0)
-    skips, row = 0, {}
-    for step in range(first, cfg.steps + 1):
+
+    def sync(step, row):
+        """Send the weights of `step` (or, when signalled, checkpoint and stop), then
+        collect the samplers' eval of them when one is due."""
         if stop_agreed():
             save_checkpoint(cfg, learner, step, row, tokenizer)
             if weight_pg is not None:
                 control(weight_pg, 1, weight_device)
             print(f"rank {rank}: stopped by a signal after step {step}; checkpoint saved; exit {PREEMPTED}", file=sys.stderr)
             sys.exit(PREEMPTED)
+        t0 = time.time()
         if weight_pg is not None:
             control(weight_pg, 0, weight_device)
-        t0 = time.time()
-        learner.send_weights(weight_pg, sync_dtype, bucket_bytes, weight_device)
+        learner.send_weights(weight_pg, buckets, sync_dtype, weight_device)
+        timing = {"sync_s": time.time() - t0, "sync_memcpy_s": memcpy_s}
+        if not eval_due(cfg, step):
+            return timing
         t1 = time.time()
-        reports = [r for r in exchange(rollout_pg, None) if r is not None]
-        t2 = time.time()
-        evals = merge_evals(reports)
+        evals = merge_evals(from_samplers(rollout_pg))
+        return {**timing, "eval_s": time.time() - t1, **evals}
+
+    skips, row, last = 0, {}, time.time()
+    for step in range(first, cfg.steps + 1):
+        before = syncs_before_sampling(cfg, step, first)
+        extra = sync(step, row) if before else {}
         if step == cfg.steps:
-            if rank == 0 and evals:
-                log.write(json.dumps({"step": step, **evals}) + "\n")
+            if rank == 0 and "eval_accuracy" in extra:
+                log.write(json.dumps({"step": step, **extra}) + "\n")
             break
+        t1 = time.time()
+        reports = from_samplers(rollout_pg)
+        t2 = time.time()
+        if not before:
+            extra = sync(step, row)
         rollouts = [c for r in reports for c in r["rollouts"]]
         lr = learner.schedule.get_last_lr()[0]
-        sums, grad_norm = train_step(cfg, learner, rollouts, rank)
         t3 = time.time()
+        sums, grad_norm = train_step(cfg, learner, rollouts, rank)
+        sums["peak_memory_mb_max"] = peak_memory_mb(device)
+        t4 = time.time()
         sums = reduce_metrics(sums)
-        row = {**step_metrics(step, rollouts, reports, sums, grad_norm, lr, t1 - t0, t2 - t1, t3 - t2), **evals}
+        row = {**step_metrics(step, rollouts, reports, sums, grad_norm, lr, t2 - t1, t4 - t3), **extra, "step_s": time.time() - last}
+        last = time.time()
         # Every learner sees the same global norm, so all of them skip alike.
         skips = 0 if math.isfinite(grad_norm) else skips + 1
         row["skipped"] = int(skips > 0)
@@ -555,7 +635,7 @@ def summary(cfg, metrics_path, wall_s):
     if evals:
         lines.append(f"eval accuracy: {evals[0]['eval_accuracy']:.3f} at step {evals[0]['step']} -> {evals[-1]['eval_accuracy']:.3f} at step {evals[-1]['step']}")
     if train:
-        seconds = sum(r["sync_s"] + r["wait_s"] + r["train_s"] for r in train)
+        seconds = sum(r["step_s"] for r in train)
         tokens = sum(r["tokens_sampled"] for r in train)
         lines.append(f"train reward {train[0]['reward_mean']:.3f} -> {train[-1]['reward_mean']:.3f}; {seconds:.0f} s in steps; {tokens / max(1e-9, sum(r['sample_s'] for r in train)):.0f} sampled tokens/s")
     return "\n".join(lines)
@@ -565,6 +645,31 @@ def _tokenizer(path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def peak_memory_mb(device):
+    """This process's peak: CUDA memory allocated on a GPU, resident memory otherwise."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux
+
+
+def memcpy_seconds(num_bytes, device, repeats=5):
+    """The best time of one in-memory copy of num_bytes: the yardstick for a weight sync."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t)
+    return best
 
 
 def reduce_metrics(sums):
@@ -578,7 +683,7 @@ def reduce_metrics(sums):
     return {**dict(zip(names, total.tolist())), **dict(zip(maxima, peak.tolist()))}
 
 
-def step_metrics(step, rollouts, reports, sums, grad_norm, lr, sync_s, wait_s, train_s):
+def step_metrics(step, rollouts, reports, sums, grad_norm, lr, wait_s, train_s):
     rewards = torch.tensor([c["reward"] for c in rollouts])
     lengths = torch.tensor([len(c["token_ids"]) for c in rollouts], dtype=torch.float32)
     parts = {name: sum(c["parts"][name] for c in rollouts) / len(rollouts) for name in rollouts[0]["parts"]}
@@ -608,8 +713,11 @@ def step_metrics(step, rollouts, reports, sums, grad_norm, lr, sync_s, wait_s, t
         "sequences_trained": int(sums["sequences_trained"]),
         "tokens_sampled": int(lengths.sum()),
         "tokens_trained": int(sums["tokens"]),
+        "padded_frac": sums["padding"] / max(1.0, sums["positions"]),
+        "staleness": step - min(r["weights_step"] for r in reports),
         "samplers": len(reports),
-        "sync_s": sync_s,
+        "peak_memory_mb_learner": sums["peak_memory_mb_max"],
+        "peak_memory_mb_sampler": max(r["peak_memory_mb"] for r in reports),
         "sample_s": max(r["sample_s"] for r in reports),
         "reward_s": max(r["reward_s"] for r in reports),
         "wait_s": wait_s,

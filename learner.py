@@ -95,8 +95,9 @@ class Learner:
                     ref_logp = self.token_logprobs(self.reference, ids, attention, temperature)[0]
             loss, metrics = loss_fn(logp, old_logp, advantages, mask, ref_logp=ref_logp)
             (loss * self.grad_scale).backward()
-            # Before the update, learner and sampler hold the same weights: any gap is
-            # numerical mismatch between the two engines (or a broken weight sync).
+            # Synchronous sampling used the weights the learner holds before its update,
+            # so any gap is numerical mismatch between the two engines (or a broken
+            # weight sync); one step ahead, it also holds that step's policy change.
             diff = (logp.detach() - old_logp).abs() * mask
             metrics.update(mismatch_sum=diff.sum(), entropy_sum=(entropy * mask).sum())
             for k, v in metrics.items():
@@ -119,25 +120,19 @@ class Learner:
         """(name, full tensor) for every parameter; each learner takes part in each
         all-gather, in the same order."""
         for name, p in self.model.named_parameters():
-            full = p.full_tensor() if isinstance(p, DTensor) else p
-            yield name, full.detach().to(dtype)
+            yield name, _full(p).to(dtype)
 
-    def send_weights(self, pg, dtype, bucket_bytes, comm_device):
-        """Learner 0 broadcasts full weights over the weight group in flat buckets; the
+    def send_weights(self, pg, buckets, dtype, comm_device):
+        """Learner 0 broadcasts full weights over the weight group, bucket by bucket in
+        the order of `buckets` (lists of (name, shape) that the samplers hold too); the
         other learners only join the all-gathers (pg is None there)."""
-        bucket, size = [], 0
-        for _, tensor in self.full_parameters(dtype):
-            if pg is None:
-                continue
-            bucket.append(tensor.flatten().to(comm_device))
-            size += tensor.numel() * tensor.element_size()
-            if size >= bucket_bytes:
-                _broadcast_bucket(pg, bucket)
-                bucket, size = [], 0
-        if pg is not None:
-            if bucket:
-                _broadcast_bucket(pg, bucket)
-            pg.broadcast(torch.zeros(1, dtype=torch.int64, device=comm_device), 0).wait()  # end of sync
+        params = dict(self.model.named_parameters())
+        flats = (torch.cat([_full(params[name]).to(dtype).flatten() for name, _ in bucket]).to(comm_device) for bucket in buckets)
+        if pg is None:
+            for _ in flats:
+                pass
+        else:
+            broadcast_buckets(pg, flats)
 
     def train_state(self):
         """Policy, optimizer and reference state dicts, sharded as they live."""
@@ -222,7 +217,19 @@ def load_checkpoint(learner, path):
     return trainer
 
 
-def _broadcast_bucket(pg, bucket):
-    flat = torch.cat(bucket)
-    pg.broadcast(torch.tensor([flat.numel()], dtype=torch.int64, device=flat.device), 0).wait()
-    pg.broadcast(flat, 0).wait()
+def broadcast_buckets(pg, flats):
+    """Broadcast each flat tensor from rank 0 of pg. The next one is built (on the
+    learners: all-gathered) while the last is still on the wire, and at most those
+    two are alive at once."""
+    in_flight = None
+    for flat in flats:
+        work = pg.broadcast(flat, 0)
+        if in_flight is not None:
+            in_flight[0].wait()
+        in_flight = (work, flat)
+    if in_flight is not None:
+        in_flight[0].wait()
+
+
+def _full(p):
+    return (p.full_tensor() if isinstance(p, DTensor) else p).detach()

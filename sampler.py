@@ -64,23 +64,21 @@ def _reload_weights(worker, named_tensors):
     worker.model_runner.reload_weights(weights_iterator=named_tensors)
 
 
-def receive_weights(pg, plan, dtype, device):
-    """Yield (name, tensor) as buckets arrive from learner 0 over the weight group.
-    Each bucket is a header (its element count; 0 ends the sync) then the flat data;
-    `plan` lists (name, shape) in the sender's order, so no names travel."""
-    queue = list(plan)
-    while True:
-        header = torch.zeros(1, dtype=torch.int64, device=device)
-        pg.broadcast(header, 0).wait()
-        numel = int(header.item())
-        if numel == 0:
-            assert not queue, f"weight sync ended with {len(queue)} tensors unsent"
-            return
-        flat = torch.empty(numel, dtype=dtype, device=device)
-        pg.broadcast(flat, 0).wait()
+def receive_weights(pg, buckets, dtype, device):
+    """Yield (name, tensor) as buckets arrive from rank 0 of the weight group. The
+    samplers and learner 0 share the bucket plan (lists of (name, shape)), so only
+    data travels; each bucket's receive is posted before the previous one is loaded."""
+
+    def post(bucket):
+        flat = torch.empty(sum(shape.numel() for _, shape in bucket), dtype=dtype, device=device)
+        return pg.broadcast(flat, 0), flat
+
+    pending = post(buckets[0]) if buckets else None
+    for i, bucket in enumerate(buckets):
+        work, flat = pending
+        work.wait()
+        pending = post(buckets[i + 1]) if i + 1 < len(buckets) else None
         offset = 0
-        while offset < numel:
-            name, shape = queue.pop(0)
-            size = shape.numel()
-            yield name, flat[offset : offset + size].view(shape)
-            offset += size
+        for name, shape in bucket:
+            yield name, flat[offset : offset + shape.numel()].view(shape)
+            offset += shape.numel()

@@ -26,6 +26,16 @@ CONFIGS = {
     "kl_tis": {"beta": 0.1, "tis_cap": 2.0, "overlong": "penalty", "overlong_buffer": 4},
 }
 
+# Micro-batches of 1, 2 or all sequences, or packed to a token budget (sequences here
+# are 4 to 22 tokens long).
+SPLITS = {
+    "seq1": {"micro_batch_size": 1, "max_tokens_per_microbatch": 0},
+    "seq2": {"micro_batch_size": 2, "max_tokens_per_microbatch": 0},
+    "seq32": {"micro_batch_size": 32, "max_tokens_per_microbatch": 0},
+    "tok30": {"max_tokens_per_microbatch": 30},
+    "tok4096": {"max_tokens_per_microbatch": 4096},
+}
+
 
 def fixed_rollouts(vocab, prompts=8, group_size=4, max_new_tokens=12):
     rng = random.Random(0)
@@ -54,8 +64,8 @@ def main():
     mesh = init_device_mesh("cpu", (world,))
     rollouts = fixed_rollouts(vocab=259)
     for name, overrides in CONFIGS.items():
-        for mbs in (1, 2, 32):
-            cfg = Config(learners=world, group_size=4, max_new_tokens=12, micro_batch_size=mbs, max_grad_norm=1e9, **overrides)
+        for split, sizes in SPLITS.items():
+            cfg = Config(learners=world, group_size=4, max_new_tokens=12, max_grad_norm=1e9, **sizes, **overrides)
             cfg = dataclasses.replace(cfg, epsilon_high=cfg.epsilon_high or cfg.epsilon)
             torch.manual_seed(0)
             learner = Learner(model_path, mesh, torch.device("cpu"), lr=0.0, reference=cfg.beta > 0)
@@ -63,7 +73,7 @@ def main():
             sums, grad_norm = train_step(cfg, learner, copy.deepcopy(rollouts), rank)
             state = {n: t.clone() for n, t in learner.full_parameters(torch.float32)}
             if rank == 0:
-                torch.save({"state": state, "grad_norm": grad_norm}, os.path.join(out_dir, f"{name}-mbs{mbs}-L{world}.pt"))
+                torch.save({"state": state, "grad_norm": grad_norm}, os.path.join(out_dir, f"{name}-{split}-L{world}.pt"))
     dist.destroy_process_group()
 
 

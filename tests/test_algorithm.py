@@ -3,6 +3,7 @@ and the invariance of one optimizer step to how the work is split (real torchrun
 
 import glob
 import math
+import random
 import os
 import subprocess
 import sys
@@ -185,8 +186,9 @@ def test_overlong_penalty():
 
 
 def test_one_step_is_invariant_to_learners_and_micro_batches(tiny_model, tmp_path):
-    """1 or 2 FSDP learners, micro-batches of 1, 2 or the whole batch: the same updated
-    weights for every loss type (SGD, so a wrong normaliser cannot hide)."""
+    """1 or 2 FSDP learners, micro-batches of 1, 2 or all sequences or packed to 30 or
+    4096 tokens: the same updated weights for every loss type (SGD, so a wrong
+    normaliser cannot hide)."""
     from safetensors.torch import load_file
 
     worker = os.path.join(ROOT, "tests", "invariance_worker.py")
@@ -199,10 +201,26 @@ def test_one_step_is_invariant_to_learners_and_micro_batches(tiny_model, tmp_pat
     assert names == ["bnpo", "dapo", "dr_grpo", "grpo", "gspo", "kl_tis"]
     for name in names:
         runs = {os.path.basename(f): torch.load(f)["state"] for f in sorted(glob.glob(str(tmp_path / f"{name}-*.pt")))}
-        assert len(runs) == 6
+        assert len(runs) == 10
         first = next(iter(runs.values()))
         moved = max((first[k] - initial[k]).abs().max().item() for k in initial)
         assert moved > 1e-3, f"{name}: the step did not move the weights"
         worst = max((w[k] - first[k]).abs().max().item() for w in runs.values() for k in first)
         print(f"{name}: moved {moved:.3g}, max diff across splits {worst:.2e}")
         assert worst < 1e-6, name
+
+
+def test_packing_keeps_every_sequence_within_the_budget_and_pads_little():
+    from grpo import micro_batches, sequence_length
+
+    rng = random.Random(0)
+    rollouts = [{"prompt_ids": [0] * rng.randint(20, 60), "token_ids": [0] * rng.randint(1, 40)} for _ in range(200)]
+    packed = micro_batches(rollouts, 512, 8)
+    assert sorted(id(c) for mb in packed for c in mb) == sorted(id(c) for c in rollouts)
+    positions = [len(mb) * max(map(sequence_length, mb)) for mb in packed]
+    assert max(positions) <= 512
+    padded = 1 - sum(map(sequence_length, rollouts)) / sum(positions)
+    print(f"packed {len(rollouts)} sequences into {len(packed)} micro-batches, {padded:.1%} padding")
+    assert padded < 0.05
+    fixed = micro_batches(rollouts, 0, 8)
+    assert len(fixed) == 25 and all(len(mb) == 8 for mb in fixed)

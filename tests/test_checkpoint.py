@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from conftest import ROOT, torchrun, torchrun_cmd
@@ -84,9 +85,10 @@ def test_kill_during_save_keeps_the_previous_checkpoint(tiny_model, tmp_path):
     assert [r["step"] for r in rows(out)] == list(range(step + 1))
 
 
-def test_sigterm_checkpoints_and_exits_with_the_preemption_code(tiny_model, tmp_path):
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_sigterm_checkpoints_and_exits_with_the_preemption_code(tiny_model, tmp_path, staleness):
     out = tmp_path / "run"
-    proc = start(out, "--steps", 1000)
+    proc = start(out, "--steps", 1000, "--max-staleness", staleness)
     wait_for(lambda: (out / "metrics.jsonl").exists() and len(rows(out)) >= 2, proc)
     proc.send_signal(signal.SIGTERM)  # to torchrun, which forwards it to every rank
     output, _ = proc.communicate(timeout=90)

@@ -14,7 +14,7 @@ import torch
 
 from conftest import ROOT, torchrun, torchrun_cmd
 
-REQUIRED = ["step", "reward_mean", "accuracy", "format", "completion_len", "loss", "grad_norm", "sample_s", "train_s", "sync_s", "mismatch_max"]
+REQUIRED = ["step", "reward_mean", "accuracy", "format", "completion_len", "loss", "grad_norm", "sample_s", "train_s", "sync_s", "step_s", "mismatch_max", "staleness", "padded_frac", "peak_memory_mb_learner", "peak_memory_mb_sampler"]
 FAST = ["--prompts-per-step", 4, "--group-size", 4, "--max-new-tokens", 16, "--eval-every", 0]
 
 
@@ -38,7 +38,8 @@ def test_three_ranks_train_and_sync(tiny_model, tmp_path):
     for r in metrics:
         assert all(k in r for k in REQUIRED), sorted(r)
         assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
-        assert r["samplers"] == 1 and r["tokens_sampled"] > 0
+        assert r["samplers"] == 1 and r["tokens_sampled"] > 0 and r["staleness"] == 0
+        assert 0 <= r["padded_frac"] < 0.5 and r["peak_memory_mb_learner"] > 0
         # Sampler log-probs of its own tokens against the learners' forward of the
         # same weights: from step 1 on this only holds if the broadcast landed.
         assert r["mismatch_max"] < 1e-4, r["mismatch_max"]
@@ -63,6 +64,20 @@ def test_two_samplers_feed_two_learners(tiny_model, tmp_path):
     # greedy eval of 8 held-out prompts split over both samplers, after the last step too
     assert all(0 <= r["eval_accuracy"] <= 1 and r["eval_length"] > 0 for r in metrics)
     assert "eval accuracy" in result.stdout
+
+
+def test_samplers_run_one_step_ahead(tiny_model, tmp_path):
+    """--max-staleness 1: step k+1 is sampled with step k's weights while step k trains;
+    the first step samples fresh weights, and every eval sees the weights of its step."""
+    out = tmp_path / "run"
+    result = torchrun(3, "--learners", 2, "--steps", 4, *FAST, "--max-staleness", 1, "--eval-every", 2, "--eval-size", 8, "--out-dir", out)
+    assert result.returncode == 0, result.stdout[-5000:]
+    metrics = rows(out)
+    train = [r for r in metrics if "loss" in r]
+    assert [r["staleness"] for r in train] == [0, 1, 1, 1]
+    assert train[0]["mismatch_max"] < 1e-4  # fresh weights at the first step
+    assert all(math.isfinite(r["loss"]) and r["tokens_trained"] > 0 for r in train)
+    assert [r["step"] for r in metrics if "eval_accuracy" in r] == [0, 2, 4]
 
 
 def run_direct(*args, world=3):

@@ -59,20 +59,16 @@ import sys
 from datetime import timedelta
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[3])
-from learner import _broadcast_bucket
+from grpo import bucket_plan, weight_plan
+from learner import broadcast_buckets
 from test_sampler import perturbed
 model = perturbed(sys.argv[1])
 store = dist.TCPStore("127.0.0.1", int(sys.argv[2]), is_master=False, timeout=timedelta(seconds=120))
 pg = dist.ProcessGroupGloo(dist.PrefixStore("w", store), 0, 2, timedelta(seconds=120))
-bucket, sent = [], 0
-for _, p in model.named_parameters():
-    bucket.append(p.detach().flatten())
-    if len(bucket) == 5:  # several buckets, each holding several tensors
-        _broadcast_bucket(pg, bucket)
-        bucket, sent = [], sent + 1
-_broadcast_bucket(pg, bucket)
-pg.broadcast(torch.zeros(1, dtype=torch.int64), 0).wait()
-print("BUCKETS", sent + 1)
+params = dict(model.named_parameters())
+buckets = bucket_plan(weight_plan(sys.argv[1]), 4, int(sys.argv[4]))
+broadcast_buckets(pg, (torch.cat([params[name].detach().flatten() for name, _ in bucket]) for bucket in buckets))
+print("BUCKETS", len(buckets))
 """
 
 
@@ -91,7 +87,7 @@ def test_weights_sent_over_a_real_group_load_in_place(engine, tiny_model):
     """Perturb the weights, broadcast them in buckets over a real gloo group from another
     process, load them into the running engine, and compare the engine's log-probs of
     its own samples with transformers on the perturbed weights."""
-    from grpo import weight_plan
+    from grpo import bucket_plan, weight_plan
 
     model = perturbed(tiny_model)
     batch = prompts(engine)
@@ -100,9 +96,10 @@ def test_weights_sent_over_a_real_group_load_in_place(engine, tiny_model):
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
-    sender = subprocess.Popen([sys.executable, "-c", SENDER, tiny_model, str(port), ROOT], cwd=os.path.join(ROOT, "tests"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    bucket_bytes = 200_000  # several buckets, each holding several tensors
+    sender = subprocess.Popen([sys.executable, "-c", SENDER, tiny_model, str(port), ROOT, str(bucket_bytes)], cwd=os.path.join(ROOT, "tests"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pg = dist.ProcessGroupGloo(dist.PrefixStore("w", store), 1, 2, timedelta(seconds=120))
-    engine.load_weights(receive_weights(pg, weight_plan(tiny_model), engine.dtype, torch.device("cpu")))
+    engine.load_weights(receive_weights(pg, bucket_plan(weight_plan(tiny_model), 4, bucket_bytes), engine.dtype, torch.device("cpu")))
     out, err = sender.communicate(timeout=120)
     assert sender.returncode == 0, err[-3000:]
     assert int(out.split("BUCKETS")[1]) > 2
