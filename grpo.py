@@ -36,8 +36,8 @@ class Config:
     dataset: str = "auto"  # 'synthetic', 'gsm8k' (the hub) or a .jsonl/.json/.parquet path; auto follows --model
     split: str = "train"
     learners: int = 1  # ranks 0..learners-1 train; the other ranks sample
-    steps: int = 200
-    prompts_per_step: int = 16
+    steps: int = 250
+    prompts_per_step: int = 32
     group_size: int = 8  # completions per prompt (G)
     max_new_tokens: int = 0  # 0: 24 for the tiny model, 512 otherwise
     max_prompt_len: int = 512
@@ -48,13 +48,13 @@ class Config:
     max_grad_norm: float = 1.0
     micro_batch_size: int = 8  # sequences per forward/backward on each learner, when not packing by tokens
     max_tokens_per_microbatch: int = 4096  # pack length-sorted sequences into micro-batches of at most this many padded tokens; 0: --micro-batch-size sequences
-    max_staleness: int = 0  # 0: sample each step with its own weights; 1: sample step k+1 while step k trains
+    max_staleness: int = 1  # 1: sample step k+1 while step k trains (the ratio corrects for the lag); 0: each step with its own weights
     loss_type: str = "grpo"  # grpo | bnpo | dr_grpo | dapo
     epsilon: float = 0.2
     epsilon_high: float = 0.0  # 0: same as epsilon; larger is DAPO's clip-higher
     importance: str = "token"  # token | sequence (GSPO)
     scale: str = "group"  # advantage scaling: group | batch | none
-    beta: float = 0.0  # KL to the initial policy (k3); > 0 keeps a frozen, sharded reference copy
+    beta: float = 0.04  # KL to the initial policy (k3), as DeepSeekMath's GRPO; > 0 keeps a frozen, sharded reference copy
     tis_cap: float = 0.0  # > 0: truncated importance sampling of the sampler/learner mismatch at this cap
     drop_uniform_groups: bool = False  # DAPO dynamic sampling: drop groups whose rewards are all equal
     overlong: str = "none"  # completions cut at max-new-tokens: none | mask (out of the loss) | penalty (soft, DAPO)

@@ -65,7 +65,7 @@ def main():
     rollouts = fixed_rollouts(vocab=259)
     for name, overrides in CONFIGS.items():
         for split, sizes in SPLITS.items():
-            cfg = Config(learners=world, group_size=4, max_new_tokens=12, max_grad_norm=1e9, **sizes, **overrides)
+            cfg = Config(**{"learners": world, "group_size": 4, "max_new_tokens": 12, "max_grad_norm": 1e9, "beta": 0.0, **sizes, **overrides})
             cfg = dataclasses.replace(cfg, epsilon_high=cfg.epsilon_high or cfg.epsilon)
             torch.manual_seed(0)
             learner = Learner(model_path, mesh, torch.device("cpu"), lr=0.0, reference=cfg.beta > 0)

@@ -14,7 +14,7 @@ import torch
 
 from conftest import ROOT, torchrun, torchrun_cmd
 
-FAST = ["--learners", 2, "--prompts-per-step", 4, "--group-size", 4, "--max-new-tokens", 16, "--eval-every", 0]
+FAST = ["--learners", 2, "--prompts-per-step", 4, "--group-size", 4, "--max-new-tokens", 16, "--eval-every", 0, "--beta", 0, "--max-staleness", 0]
 
 
 def rows(out_dir):

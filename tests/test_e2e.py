@@ -15,7 +15,7 @@ import torch
 from conftest import ROOT, torchrun, torchrun_cmd
 
 REQUIRED = ["step", "reward_mean", "accuracy", "format", "completion_len", "loss", "grad_norm", "sample_s", "train_s", "sync_s", "step_s", "mismatch_max", "staleness", "padded_frac", "peak_memory_mb_learner", "peak_memory_mb_sampler"]
-FAST = ["--prompts-per-step", 4, "--group-size", 4, "--max-new-tokens", 16, "--eval-every", 0]
+FAST = ["--prompts-per-step", 4, "--group-size", 4, "--max-new-tokens", 16, "--eval-every", 0, "--beta", 0, "--max-staleness", 0]
 
 
 def rows(out_dir):
@@ -102,6 +102,8 @@ def run_direct(*args, world=3):
         (["--rewards", "accuracy,nonsense"], 3, "--rewards"),
         (["--dataset", "/no/such/file.jsonl"], 3, "--dataset"),
         (["--micro-batch-size", 0], 3, "--micro-batch-size"),
+        (["--max-staleness", 2], 3, "--max-staleness"),
+        (["--max-tokens-per-microbatch", 100], 3, "--max-tokens-per-microbatch"),
     ],
 )
 def test_config_errors_name_the_flag(args, world, flag):
