@@ -28,10 +28,8 @@ NAMES = ["Ann", "Bob", "Cat", "Dan", "Eve", "Finn", "Gus", "Ivy"]
 THINGS = ["apples", "pens", "cards", "coins", "eggs", "books"]
 
 
-# b is 1, 2 or 3 and the result a single digit: 48 (a, op, b) facts, which RL can teach
-# the tiny model in minutes (all 90 sums and differences took it as many samples
-# supervised). b = 0 is left out: copying `a` was then right 29% of the time, and RL
-# settled there.
+# b is 1, 2 or 3 and the result a single digit: 48 (a, op, b) facts. b = 0 is left out:
+# copying `a` was then right 29% of the time, and RL settled there.
 PAIRS = {"+": [(a, b) for a in range(10) for b in (1, 2, 3) if a + b <= 9], "-": [(a, b) for a in range(10) for b in (1, 2, 3) if b <= a]}
 
 
