@@ -501,7 +501,8 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         resume_learner(cfg, learner, rank)
     sync_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     buckets = bucket_plan(weight_plan(path), sync_dtype.itemsize, int(cfg.sync_bucket_mb * 2**20))
-    memcpy_s = memcpy_seconds(sum(shape.numel() for b in buckets for _, shape in b) * sync_dtype.itemsize, weight_device)
+    # Only rank 0 writes metrics, so only it measures the yardstick.
+    memcpy_s = memcpy_seconds(sum(shape.numel() for b in buckets for _, shape in b) * sync_dtype.itemsize, weight_device) if rank == 0 else 0.0
     log = open_log(os.path.join(cfg.out_dir, "metrics.jsonl"), first) if rank == 0 else None
     samples_log = open_log(os.path.join(cfg.out_dir, "samples.jsonl"), first) if rank == 0 else None
     bar = tqdm(initial=first, total=cfg.steps, desc="grpo", disable=rank != 0)
