@@ -10,6 +10,7 @@ take the rollouts, compute group advantages and take one optimizer step."""
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -37,8 +38,8 @@ class Config:
     split: str = "train"
     learners: int = 1  # ranks 0..learners-1 train; the other ranks sample
     steps: int = 250
-    prompts_per_step: int = 32
-    group_size: int = 8  # completions per prompt (G)
+    prompts_per_step: int = 64
+    group_size: int = 0  # completions per prompt (G); 0: 4 for the tiny model (more prompts beat more samples there), 8 otherwise
     max_new_tokens: int = 0  # 0: 24 for the tiny model, 512 otherwise
     max_prompt_len: int = 512
     temperature: float = 1.0
@@ -76,6 +77,7 @@ class Config:
     resume: str = ""  # '--resume' continues from out_dir's latest checkpoint, '--resume PATH' from that one
     overwrite: bool = False  # replace a run already in out_dir
     max_skips: int = 3  # abort after this many consecutive steps with a non-finite grad norm
+    report_to: str = ""  # 'wandb' or 'tensorboard': also send every metrics row there (the package must be installed)
 
 
 def parse_config(argv):
@@ -108,6 +110,7 @@ def resolve(cfg, world_size, has_gpu):
     if cfg.dataset == "auto":
         cfg.dataset = "synthetic" if tiny else "gsm8k"
     cfg.max_new_tokens = cfg.max_new_tokens or (24 if tiny else 512)
+    cfg.group_size = cfg.group_size or (4 if tiny else 8)
     cfg.lr = cfg.lr or (1e-3 if tiny else 1e-6)
     cfg.epsilon_high = cfg.epsilon_high or cfg.epsilon
     cfg.overlong_buffer = cfg.overlong_buffer or cfg.max_new_tokens // 4
@@ -148,6 +151,10 @@ def resolve(cfg, world_size, has_gpu):
         parse_reward_spec(cfg.rewards)
     except ValueError as e:
         fail(f"--rewards: {e}")
+    if cfg.report_to and cfg.report_to not in ("wandb", "tensorboard"):
+        fail(f"--report-to must be wandb or tensorboard, got {cfg.report_to!r}")
+    if cfg.report_to and importlib.util.find_spec(cfg.report_to) is None:
+        fail(f"--report-to {cfg.report_to}: the {cfg.report_to} package is not installed (pip install {cfg.report_to})")
     if cfg.resume:
         cfg.resume = find_checkpoint(cfg)
     elif os.path.exists(os.path.join(cfg.out_dir, "metrics.jsonl")) and not cfg.overwrite and not cfg.eval_only:
@@ -506,6 +513,13 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
     log = open_log(os.path.join(cfg.out_dir, "metrics.jsonl"), first) if rank == 0 else None
     samples_log = open_log(os.path.join(cfg.out_dir, "samples.jsonl"), first) if rank == 0 else None
     bar = tqdm(initial=first, total=cfg.steps, desc="grpo", disable=rank != 0)
+    report = open_reporter(cfg) if rank == 0 else None
+
+    def write_row(row):
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+        if report:
+            report(row)
 
     def sync(step, row):
         """Send the weights of `step` (or, when signalled, checkpoint and stop), then
@@ -533,7 +547,7 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         extra = sync(step, row) if before else {}
         if step == cfg.steps:
             if rank == 0 and "eval_accuracy" in extra:
-                log.write(json.dumps({"step": step, **extra}) + "\n")
+                write_row({"step": step, **extra})
             break
         t1 = time.time()
         reports = from_samplers(rollout_pg)
@@ -553,8 +567,7 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         skips = 0 if math.isfinite(grad_norm) else skips + 1
         row["skipped"] = int(skips > 0)
         if rank == 0:
-            log.write(json.dumps(row) + "\n")
-            log.flush()
+            write_row(row)
             if cfg.samples_every and step % cfg.samples_every == 0:
                 for c in rollouts[:: cfg.group_size][:4]:
                     samples_log.write(json.dumps({"step": step, "text": c["text"], "reward": c["reward"], **c["parts"]}) + "\n")
@@ -576,6 +589,28 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         curves = plot(cfg.out_dir)
         if curves:
             print(f"curves: {curves}")
+
+
+def open_reporter(cfg):
+    """A function that forwards one metrics row to wandb or TensorBoard, or None."""
+    if cfg.report_to == "wandb":
+        import wandb
+
+        run = wandb.init(project="grpo", dir=cfg.out_dir, config=dataclasses.asdict(cfg))
+        return lambda row: run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+    if cfg.report_to == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(cfg.out_dir)
+
+        def report(row):
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    writer.add_scalar(k, v, row["step"])
+            writer.flush()
+
+        return report
+    return None
 
 
 def open_log(path, first_step):

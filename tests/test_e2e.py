@@ -103,6 +103,7 @@ def run_direct(*args, world=3):
         (["--dataset", "/no/such/file.jsonl"], 3, "--dataset"),
         (["--micro-batch-size", 0], 3, "--micro-batch-size"),
         (["--max-staleness", 2], 3, "--max-staleness"),
+        (["--report-to", "mlflow"], 3, "--report-to"),
         (["--max-tokens-per-microbatch", 100], 3, "--max-tokens-per-microbatch"),
     ],
 )
@@ -113,6 +114,16 @@ def test_config_errors_name_the_flag(args, world, flag):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("grpo.py: error:") and flag in lines[0], result.stderr
     assert time.time() - start < 60
+
+
+@pytest.mark.parametrize("package", ["wandb", "tensorboard"])
+def test_report_to_a_missing_package_fails_at_start(package):
+    import importlib.util
+
+    if importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is installed here")
+    result = run_direct("--report-to", package)
+    assert result.returncode == 2 and "--report-to" in result.stderr and "not installed" in result.stderr, result.stderr
 
 
 def test_not_under_torchrun():
