@@ -486,9 +486,8 @@ def evaluate(engine, prompts, cfg, reward_fns):
 
 
 def merge_evals(reports):
-    evals = [r["eval"] for r in reports if "eval" in r]
-    if not evals:
-        return {}
+    """One eval from the samplers' shares (each sampler sends one after every due sync)."""
+    evals = [r["eval"] for r in reports]
     n = max(1, sum(e["n"] for e in evals))
     return {f"eval_{k}": sum(e[k] for e in evals) / n for k in ("accuracy", "format", "length")}
 
