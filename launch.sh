@@ -11,7 +11,16 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-GPUS=$( { ls /proc/driver/nvidia/gpus 2>/dev/null || true; } | wc -l)
+# The GPUs this job may use: CUDA_VISIBLE_DEVICES where it is set (SLURM, a shared box),
+# else every GPU the driver lists (comm.visible_gpus reads them the same way).
+GPUS=0
+if [ -d /proc/driver/nvidia/gpus ]; then
+    if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
+        GPUS=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -cv -e '^ *$' -e '^-1$' || true)
+    else
+        GPUS=$(ls /proc/driver/nvidia/gpus | wc -l)
+    fi
+fi
 REQUIREMENTS=$( [ "$GPUS" -gt 0 ] && echo requirements.txt || echo requirements-cpu.txt )
 STAMP=".venv/installed-$(sha1sum "$REQUIREMENTS" | cut -c1-12)"
 if [ -z "${PYTHON:-}" ] && [ ! -f "$STAMP" ]; then
@@ -30,15 +39,15 @@ if [ "${1:-}" = "test" ]; then
 fi
 
 NNODES=${NNODES:-1}
-if [ "$GPUS" -gt 0 ]; then
-    # One rank per GPU, half of them learning; one GPU is shared by a learner and a sampler.
-    NPROC=${NPROC:-$(( GPUS > 1 ? GPUS : 2 ))}
-    LEARNERS=${LEARNERS:-$(( NPROC * NNODES / 2 ))}
-else
-    # The CPU default: 2 learners, so FSDP really shards, and 1 sampler.
-    NPROC=${NPROC:-3}
-    LEARNERS=${LEARNERS:-2}
+# Ranks per node and learners (comm.default_layout, a table in the README): one rank per
+# GPU, learners and samplers in powers of two so that the default batch divides; on one
+# GPU a learner and a sampler share it; on CPU 2 learners and 1 sampler.
+read -r DEFAULT_NPROC DEFAULT_LEARNERS < <("$PYTHON" -c 'import sys, comm; print(*comm.default_layout(int(sys.argv[1]), int(sys.argv[2])))' "$GPUS" "$NNODES")
+if [ -z "${NPROC:-}" ]; then
+    NPROC=$DEFAULT_NPROC
+    LEARNERS=${LEARNERS:-$DEFAULT_LEARNERS}
 fi
+LEARNERS=${LEARNERS:-$(( NPROC * NNODES / 2 > 0 ? NPROC * NNODES / 2 : 1 ))}
 
 exec "$PYTHON" -m torch.distributed.run \
     --nnodes "$NNODES" \

@@ -1,5 +1,5 @@
 """The rollout engine: one in-process vLLM engine per sampler rank, sampling with
-log-probs, and new weights loaded in place from the learner's broadcast."""
+log-probs, and new weights loaded in place as they arrive from the learner."""
 
 import os
 
@@ -46,7 +46,7 @@ class Sampler:
                     {
                         "prompt_ids": list(prompt),
                         "token_ids": list(c.token_ids),
-                        "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+                        "sampler_logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
                         "text": c.text,
                         "truncated": c.finish_reason == "length",
                     }
@@ -62,23 +62,3 @@ class Sampler:
 
 def _reload_weights(worker, named_tensors):
     worker.model_runner.reload_weights(weights_iterator=named_tensors)
-
-
-def receive_weights(pg, buckets, dtype, device):
-    """Yield (name, tensor) as buckets arrive from rank 0 of the weight group. The
-    samplers and learner 0 share the bucket plan (lists of (name, shape)), so only
-    data travels; each bucket's receive is posted before the previous one is loaded."""
-
-    def post(bucket):
-        flat = torch.empty(sum(shape.numel() for _, shape in bucket), dtype=dtype, device=device)
-        return pg.broadcast(flat, 0), flat
-
-    pending = post(buckets[0]) if buckets else None
-    for i, bucket in enumerate(buckets):
-        work, flat = pending
-        work.wait()
-        pending = post(buckets[i + 1]) if i + 1 < len(buckets) else None
-        offset = 0
-        for name, shape in bucket:
-            yield name, flat[offset : offset + shape.numel()].view(shape)
-            offset += shape.numel()

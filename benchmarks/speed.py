@@ -49,11 +49,12 @@ def sampler_against_bare_vllm(grpo_args, repeats=5):
     from vllm.inputs import TokensPrompt
 
     from data import load_prompts
-    from grpo import gpu_count, model_path, parse_config, resolve
+    from comm import visible_gpus
+    from grpo import model_path, parse_config, resolve
     from sampler import Sampler
 
-    cfg = resolve(parse_config([*grpo_args, "--overwrite"]), 2, gpu_count() > 0)
-    engine = Sampler(model_path(cfg, 0), cfg.max_prompt_len + cfg.max_new_tokens, cfg.seed, cfg.sampler_gpu_memory, cfg.sampler_kv_cache_gb)
+    cfg = resolve(parse_config([*grpo_args, "--overwrite"]), 2, bool(visible_gpus()))
+    engine = Sampler(model_path(cfg, 0), cfg.max_prompt_len + cfg.max_new_tokens, cfg.seed, cfg.sampler_gpu_memory or 0.3, cfg.sampler_kv_cache_gb)
     prompts = [p["prompt_ids"] for p in load_prompts(cfg.dataset, cfg.split, engine.llm.get_tokenizer(), cfg.max_prompt_len)[: cfg.prompts_per_step]]
     G, max_tokens = cfg.group_size, cfg.max_new_tokens
     params = SamplingParams(n=G, max_tokens=max_tokens, temperature=cfg.temperature, logprobs=0)

@@ -14,12 +14,15 @@ GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k")
 def tiny_model(tmp_path_factory):
     """The embedded tiny model, built (with its format warm-up) once per test session in
     a fresh cache, so the suite also proves the build works on a clean machine."""
-    import data
+    import tiny
 
-    cache = str(tmp_path_factory.mktemp("grpo_cache"))
+    # GRPO_TEST_CACHE (a folder) reuses one build across sessions while developing; CI
+    # leaves it unset, so every CI run builds the model from scratch.
+    cache = os.environ.get("GRPO_TEST_CACHE") or str(tmp_path_factory.mktemp("grpo_cache"))
     os.environ["GRPO_CACHE"] = cache
-    path = data.tiny_model_dir()
-    data.build_tiny_model(path)
+    path = tiny.tiny_model_dir()
+    if not os.path.exists(path):
+        tiny.build_tiny_model(path)
     return path
 
 

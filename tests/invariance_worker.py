@@ -4,7 +4,6 @@ Plain SGD and no clipping, so any error in how losses are normalised shows in th
 weights (Adam's first step would divide it away)."""
 
 import copy
-import dataclasses
 import os
 import random
 import sys
@@ -14,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from grpo import Config, train_step  # noqa: E402
+from grpo import Rollout, parse_config, resolve, train_step  # noqa: E402
 from learner import Learner  # noqa: E402
 
 CONFIGS = {
@@ -24,6 +23,8 @@ CONFIGS = {
     "dapo": {"loss_type": "dapo", "epsilon_high": 0.28, "drop_uniform_groups": True, "overlong": "mask"},
     "gspo": {"importance": "sequence", "scale": "batch"},
     "kl_tis": {"beta": 0.1, "tis_cap": 2.0, "overlong": "penalty", "overlong_buffer": 4},
+    "cispo": {"objective": "cispo", "epsilon_high": 2.0, "loss_type": "bnpo"},
+    "sapo": {"objective": "sapo", "importance": "sequence"},
 }
 
 # Micro-batches of 1, 2 or all sequences, or packed to a token budget (sequences here
@@ -46,13 +47,14 @@ def fixed_rollouts(vocab, prompts=8, group_size=4, max_new_tokens=12):
         for _ in range(group_size):
             n = rng.randint(1, max_new_tokens)
             rollouts.append(
-                {
-                    "prompt_ids": prompt,
-                    "token_ids": [rng.randrange(3, vocab) for _ in range(n)],
-                    "logprobs": [rng.uniform(-7.0, -4.0) for _ in range(n)],
-                    "reward": 1.0 if uniform else float(rng.randint(0, 2)),
-                    "truncated": n == max_new_tokens,
-                }
+                Rollout(
+                    prompt_ids=prompt,
+                    token_ids=[rng.randrange(3, vocab) for _ in range(n)],
+                    sampler_logprobs=[rng.uniform(-7.0, -4.0) for _ in range(n)],
+                    text="",
+                    reward=1.0 if uniform else float(rng.randint(0, 2)),
+                    truncated=n == max_new_tokens,
+                )
             )
     return rollouts
 
@@ -65,13 +67,14 @@ def main():
     rollouts = fixed_rollouts(vocab=259)
     for name, overrides in CONFIGS.items():
         for split, sizes in SPLITS.items():
-            cfg = Config(**{"learners": world, "group_size": 4, "max_new_tokens": 12, "max_grad_norm": 1e9, "beta": 0.0, **sizes, **overrides})
-            cfg = dataclasses.replace(cfg, epsilon_high=cfg.epsilon_high or cfg.epsilon)
+            flags = {"model": model_path, "out_dir": out_dir, "learners": world, "prompts_per_step": 8, "group_size": 4, "max_new_tokens": 12, "max_prompt_len": 10, "max_grad_norm": 1e9, "beta": 0.0, **sizes, **overrides}
+            argv = [f"--{k.replace('_', '-')}={v}" if not isinstance(v, bool) else f"--{k.replace('_', '-')}" for k, v in flags.items()]
+            cfg = resolve(parse_config(argv), world_size=world + 1, has_gpu=False)
             torch.manual_seed(0)
             learner = Learner(model_path, mesh, torch.device("cpu"), lr=0.0, reference=cfg.beta > 0)
             learner.optimizer = torch.optim.SGD(learner.model.parameters(), lr=0.5)
-            sums, grad_norm = train_step(cfg, learner, copy.deepcopy(rollouts), rank)
-            state = {n: t.clone() for n, t in learner.full_parameters(torch.float32)}
+            *_, grad_norm = train_step(cfg, learner, copy.deepcopy(rollouts), rank)
+            state = {n: learner.full_tensor(n, torch.float32).clone() for n in learner.named_params}
             if rank == 0:
                 torch.save({"state": state, "grad_norm": grad_norm}, os.path.join(out_dir, f"{name}-{split}-L{world}.pt"))
     dist.destroy_process_group()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import ROOT, free_port
-from grpo import group_advantages, overlong_penalty, policy_loss
+from grpo import Config, group_advantages, overlong_penalty, policy_loss
 
 # ---------------------------------------------------------------- independent references
 
@@ -69,6 +69,11 @@ def ref_loss(logp, old, adv, mask, loss_type, eps_low, eps_high, importance="tok
         return total / (B * max_new)
 
 
+def loss_config(**overrides):
+    """The loss flags of a test case, with no KL unless the case asks for it."""
+    return Config(**{"epsilon": 0.2, "epsilon_high": 0.2, "max_new_tokens": 7, "beta": 0.0, **overrides})
+
+
 def random_batch(seed, B=5, T=7):
     g = torch.Generator().manual_seed(seed)
     logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
@@ -111,13 +116,13 @@ def test_loss_hand_checked():
     old = torch.log(torch.tensor([[0.2, 0.2]], dtype=torch.float64))
     mask = torch.ones(1, 2, dtype=torch.float64)
     # A = +1: min(2, 1.2) = 1.2 and min(0.5, 0.8) = 0.5 -> loss -(1.2 + 0.5) / 2
-    loss, m = policy_loss(logp, old, torch.tensor([1.0], dtype=torch.float64), mask, epsilon=0.2)
+    loss, m = policy_loss(logp, old, torch.tensor([1.0], dtype=torch.float64), mask, loss_config())
     assert loss.item() == pytest.approx(-0.85)
-    assert m["clip_high_tokens"] == 1 and m["clip_low_tokens"] == 0
+    assert m["clip_high_frac"] == 1 and m["clip_low_frac"] == 0
     # A = -1: min(-2, -1.2) = -2 and min(-0.5, -0.8) = -0.8 -> loss (2 + 0.8) / 2
-    loss, m = policy_loss(logp, old, torch.tensor([-1.0], dtype=torch.float64), mask, epsilon=0.2)
+    loss, m = policy_loss(logp, old, torch.tensor([-1.0], dtype=torch.float64), mask, loss_config())
     assert loss.item() == pytest.approx(1.4)
-    assert m["clip_low_tokens"] == 1 and m["clip_high_tokens"] == 0
+    assert m["clip_low_frac"] == 1 and m["clip_high_frac"] == 0
 
 
 CASES = [
@@ -137,19 +142,22 @@ CASES = [
 def test_loss_matches_loops(case, seed):
     logp, old, ref, adv, mask = random_batch(seed)
     eps_high = case.get("epsilon_high", 0.2)
-    kw = {k: v for k, v in case.items() if k != "epsilon_high"}
-    got, _ = policy_loss(logp, old, adv, mask, epsilon=0.2, epsilon_high=eps_high, max_new_tokens=7, ref_logp=ref, **kw)
+    got, _ = policy_loss(logp, old, adv, mask, loss_config(**case), ref_logp=ref)
     want = ref_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), case["loss_type"], 0.2, eps_high, case.get("importance", "token"), 7, ref.tolist(), case.get("beta", 0.0), case.get("tis_cap", 0.0))
     assert got.item() == pytest.approx(want, rel=1e-10, abs=1e-12)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
+# The other objectives, through the same aggregation and KL.
+ALL_CASES = CASES + [dict(loss_type="bnpo", objective="cispo", epsilon_high=0.3), dict(loss_type="dr_grpo", objective="sapo", beta=0.05), dict(objective="sapo", tis_cap=1.5)]
+
+
+@pytest.mark.parametrize("case", ALL_CASES, ids=[str(c) for c in ALL_CASES])
 def test_micro_batch_losses_sum_to_the_batch_loss(case):
     logp, old, ref, adv, mask = random_batch(11, B=6)
-    kw = dict(epsilon=0.2, epsilon_high=case.get("epsilon_high", 0.2), max_new_tokens=7, **{k: v for k, v in case.items() if k != "epsilon_high"})
-    whole, _ = policy_loss(logp, old, adv, mask, ref_logp=ref, **kw)
+    cfg = loss_config(**case)
+    whole, _ = policy_loss(logp, old, adv, mask, cfg, ref_logp=ref)
     parts = sum(
-        policy_loss(logp[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2], ref_logp=ref[i : i + 2], num_sequences=6, num_tokens=mask.sum(), **kw)[0]
+        policy_loss(logp[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2], cfg, ref_logp=ref[i : i + 2], num_sequences=6, num_tokens=mask.sum())[0]
         for i in range(0, 6, 2)
     )
     assert parts.item() == pytest.approx(whole.item(), rel=1e-12)
@@ -160,7 +168,7 @@ def test_gradient_at_ratio_one(loss_type):
     """With rho = 1 the gradient is -A * grad(logp), averaged as the type defines."""
     _, _, _, adv, mask = random_batch(3)
     logp = (-torch.rand(mask.shape, dtype=torch.float64)).requires_grad_()
-    loss, _ = policy_loss(logp, logp.detach(), adv, mask, loss_type=loss_type, max_new_tokens=7)
+    loss, _ = policy_loss(logp, logp.detach(), adv, mask, loss_config(loss_type=loss_type))
     loss.backward()
     B, lengths, tokens = mask.shape[0], mask.sum(-1, keepdim=True), mask.sum()
     norm = {"grpo": B * lengths, "bnpo": tokens, "dr_grpo": B * 7}[loss_type]
@@ -170,9 +178,105 @@ def test_gradient_at_ratio_one(loss_type):
 def test_gspo_gradient_flows_per_token():
     _, old, _, adv, mask = random_batch(5)
     logp = old.clone().requires_grad_()  # ratio 1: GSPO's gradient is s_i * mean_t grad logp
-    loss, _ = policy_loss(logp, old, adv, mask, importance="sequence")
+    loss, _ = policy_loss(logp, old, adv, mask, loss_config(importance="sequence"))
     loss.backward()
     assert torch.allclose(logp.grad, -adv[:, None] * mask / (mask.shape[0] * mask.sum(-1, keepdim=True)), atol=1e-12)
+
+
+def ref_clip_gradient(logp, old, adv, mask, importance, eps_low=0.2, eps_high=0.2):
+    """d loss / d logp of the clipped objective under grpo aggregation, by hand: the
+    unclipped side passes ratio * A (the sequence ratio s under GSPO, since each token's
+    ratio is s * exp(logp_t - sg(logp_t))); a clipped side passes nothing."""
+    B, T = len(logp), len(logp[0])
+    grad = [[0.0] * T for _ in range(B)]
+    for i in range(B):
+        idx = [t for t in range(T) if mask[i][t]]
+        s = math.exp(sum(logp[i][t] - old[i][t] for t in idx) / len(idx))
+        for t in idx:
+            r = s if importance == "sequence" else math.exp(logp[i][t] - old[i][t])
+            clipped = (adv[i] > 0 and r > 1 + eps_high) or (adv[i] < 0 and r < 1 - eps_low)
+            grad[i][t] = 0.0 if clipped else -adv[i] * r / (B * len(idx))
+    return torch.tensor(grad, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_importance_modes_differ_away_from_ratio_one(seed):
+    """Ratios spread around 1, some sequences and tokens past the clip range: the token
+    and sequence (GSPO) gradients each match their hand-written form, and differ."""
+    logp, _, _, adv, mask = random_batch(seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    old = logp + torch.randn(logp.shape, generator=g, dtype=torch.float64) * 0.4
+    grads = {}
+    for importance in ("token", "sequence"):
+        x = logp.clone().requires_grad_()
+        loss, _ = policy_loss(x, old, adv, mask, loss_config(importance=importance))
+        loss.backward()
+        want = ref_clip_gradient(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), importance)
+        assert torch.allclose(x.grad, want, atol=1e-12), importance
+        grads[importance] = x.grad
+    seq_ratio = torch.exp(((logp - old) * mask).sum(-1) / mask.sum(-1))
+    assert ((seq_ratio > 1.2) | (seq_ratio < 0.8)).any() or seed != 0  # some sequence leaves the clip range
+    assert (grads["token"] - grads["sequence"]).abs().max() > 1e-3
+
+
+# ---------------------------------------------------------------- CISPO and SAPO against loops
+
+
+def ref_cispo_gradient(logp, old, adv, mask, eps_high):
+    """CISPO's gradient, by hand: each token passes min(r, 1 + eps_high) * A, normalised per sequence (grpo)."""
+    B, T = len(logp), len(logp[0])
+    grad = [[0.0] * T for _ in range(B)]
+    for i in range(B):
+        idx = [t for t in range(T) if mask[i][t]]
+        for t in idx:
+            weight = min(math.exp(logp[i][t] - old[i][t]), 1 + eps_high)
+            grad[i][t] = -weight * adv[i] / (B * len(idx))
+    return torch.tensor(grad, dtype=torch.float64)
+
+
+def ref_sapo(logp, old, adv, mask, tau_pos, tau_neg):
+    """SAPO's loss and gradient, by hand, grpo aggregation: f(r) = 4/tau sigmoid(tau (r - 1)),
+    loss -f(r) A, and d/dlogp = -4 s (1 - s) r A."""
+    B, T = len(logp), len(logp[0])
+    loss, grad = 0.0, [[0.0] * T for _ in range(B)]
+    for i in range(B):
+        idx = [t for t in range(T) if mask[i][t]]
+        tau = tau_pos if adv[i] > 0 else tau_neg
+        for t in idx:
+            r = math.exp(logp[i][t] - old[i][t])
+            s = 1 / (1 + math.exp(-tau * (r - 1)))
+            loss += -(4 / tau) * s * adv[i] / (B * len(idx))
+            grad[i][t] = -4 * s * (1 - s) * r * adv[i] / (B * len(idx))
+    return loss, torch.tensor(grad, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cispo_matches_loop(seed):
+    logp, old, _, adv, mask = random_batch(seed)
+    x = logp.clone().requires_grad_()
+    loss, m = policy_loss(x, old, adv, mask, loss_config(objective="cispo", epsilon_high=0.1))
+    loss.backward()
+    assert torch.allclose(x.grad, ref_cispo_gradient(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), 0.1), atol=1e-12)
+    assert 0 < m["clip_high_frac"] < mask.sum()  # the cap binds on some tokens, not all
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sapo_matches_loop(seed):
+    logp, old, _, adv, mask = random_batch(seed)
+    x = logp.clone().requires_grad_()
+    loss, _ = policy_loss(x, old, adv, mask, loss_config(objective="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.5))
+    loss.backward()
+    want_loss, want_grad = ref_sapo(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), 1.0, 1.5)
+    assert loss.item() == pytest.approx(want_loss, rel=1e-10)
+    assert torch.allclose(x.grad, want_grad, atol=1e-12)
+
+
+def test_a_user_objective_loads_by_module_path():
+    """--objective module:function: a user's objective plugs in without touching grpo.py."""
+    logp, old, _, adv, mask = random_batch(1)
+    loss, m = policy_loss(logp, old, adv, mask, loss_config(objective="user_objective:reinforce"))
+    want = sum(-adv[i].item() * logp[i][t].item() * mask[i][t].item() / mask[i].sum().item() for i in range(len(logp)) for t in range(logp.shape[1])) / len(logp)
+    assert loss.item() == pytest.approx(want, rel=1e-10) and "ratio_mean" in m
 
 
 def test_overlong_penalty():
@@ -198,7 +302,7 @@ def test_one_step_is_invariant_to_learners_and_micro_batches(tiny_model, tmp_pat
         assert result.returncode == 0, result.stderr[-4000:]
     initial = load_file(os.path.join(tiny_model, "model.safetensors"))
     names = sorted({os.path.basename(f).split("-")[0] for f in glob.glob(str(tmp_path / "*.pt"))})
-    assert names == ["bnpo", "dapo", "dr_grpo", "grpo", "gspo", "kl_tis"]
+    assert names == ["bnpo", "cispo", "dapo", "dr_grpo", "grpo", "gspo", "kl_tis", "sapo"]
     for name in names:
         runs = {os.path.basename(f): torch.load(f)["state"] for f in sorted(glob.glob(str(tmp_path / f"{name}-*.pt")))}
         assert len(runs) == 10
@@ -211,10 +315,10 @@ def test_one_step_is_invariant_to_learners_and_micro_batches(tiny_model, tmp_pat
 
 
 def test_packing_keeps_every_sequence_within_the_budget_and_pads_little():
-    from grpo import micro_batches, sequence_length
+    from grpo import Rollout, micro_batches, sequence_length
 
     rng = random.Random(0)
-    rollouts = [{"prompt_ids": [0] * rng.randint(20, 60), "token_ids": [0] * rng.randint(1, 40)} for _ in range(200)]
+    rollouts = [Rollout([0] * rng.randint(20, 60), [0] * rng.randint(1, 40), [], "", False) for _ in range(200)]
     packed = micro_batches(rollouts, 512, 8)
     assert sorted(id(c) for mb in packed for c in mb) == sorted(id(c) for c in rollouts)
     positions = [len(mb) * max(map(sequence_length, mb)) for mb in packed]

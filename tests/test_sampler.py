@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from conftest import ROOT, free_port
-from sampler import Sampler, receive_weights
+from comm import receive_weights
+from sampler import Sampler
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def hf_logprobs(model, completions):
 
 
 def max_gap(model, completions):
-    return max((lp - torch.tensor(c["logprobs"])).abs().max().item() for lp, c in zip(hf_logprobs(model, completions), completions))
+    return max((lp - torch.tensor(c["sampler_logprobs"])).abs().max().item() for lp, c in zip(hf_logprobs(model, completions), completions))
 
 
 def prompts(engine, n=4):
@@ -47,7 +48,7 @@ def test_sampling_shapes_and_determinism(engine):
     b = engine.sample(batch, 3, 16, 1.0, seed=7)
     c = engine.sample(batch, 3, 16, 1.0, seed=8)
     assert len(a) == 12 and all(x["prompt_ids"] == batch[i // 3] for i, x in enumerate(a))
-    assert all(len(x["token_ids"]) == len(x["logprobs"]) <= 16 for x in a)
+    assert all(len(x["token_ids"]) == len(x["sampler_logprobs"]) <= 16 for x in a)
     assert [x["token_ids"] for x in a] == [x["token_ids"] for x in b]
     assert [x["token_ids"] for x in a] != [x["token_ids"] for x in c]
     greedy = engine.sample(batch, 1, 16, 0.0, seed=0)
@@ -59,15 +60,14 @@ import os, sys
 from datetime import timedelta
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[3])
-from grpo import bucket_plan, weight_plan
-from learner import broadcast_buckets
+from comm import bucket_plan, send_weights, weight_plan
 from test_sampler import perturbed
 model = perturbed(sys.argv[1])
 store = dist.TCPStore("127.0.0.1", int(sys.argv[2]), is_master=False, timeout=timedelta(seconds=120))
 pg = dist.ProcessGroupGloo(dist.PrefixStore("w", store), 0, 2, timedelta(seconds=120))
 params = dict(model.named_parameters())
 buckets = bucket_plan(weight_plan(sys.argv[1]), 4, int(sys.argv[4]))
-broadcast_buckets(pg, (torch.cat([params[name].detach().flatten() for name, _ in bucket]) for bucket in buckets))
+send_weights(pg, lambda name: params[name].detach(), buckets, torch.device("cpu"))
 print("BUCKETS", len(buckets), flush=True)
 # Skip interpreter teardown: destroying a bare gloo group there can abort the process
 # ("terminate called without an active exception", seen once in CI) after its work is done.
@@ -90,7 +90,7 @@ def test_weights_sent_over_a_real_group_load_in_place(engine, tiny_model):
     """Perturb the weights, broadcast them in buckets over a real gloo group from another
     process, load them into the running engine, and compare the engine's log-probs of
     its own samples with transformers on the perturbed weights."""
-    from grpo import bucket_plan, weight_plan
+    from comm import bucket_plan, weight_plan
 
     model = perturbed(tiny_model)
     batch = prompts(engine)

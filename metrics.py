@@ -1,0 +1,182 @@
+"""What a run reports: the learners' metrics reduced into one row per step, the
+JSON-lines logs, wandb/TensorBoard forwarding, the end-of-run summary and the plot."""
+
+import dataclasses
+import json
+import os
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def summary(cfg, metrics_path, wall_s):
+    rows = [json.loads(line) for line in open(metrics_path)]
+    train = [r for r in rows if "reward_mean" in r]
+    evals = [r for r in rows if "eval_accuracy" in r]
+    lines = [f"run finished: {len(train)} steps in {wall_s:.0f} s; metrics in {metrics_path}, policy in {os.path.join(cfg.out_dir, 'final')}"]
+    if evals:
+        lines.append(f"eval accuracy: {evals[0]['eval_accuracy']:.3f} at step {evals[0]['step']} -> {evals[-1]['eval_accuracy']:.3f} at step {evals[-1]['step']}")
+    if train:
+        seconds = sum(r["step_s"] for r in train)
+        tokens = sum(r["tokens_sampled"] for r in train)
+        lines.append(f"train reward {train[0]['reward_mean']:.3f} -> {train[-1]['reward_mean']:.3f}; {seconds:.0f} s in steps; {tokens / max(1e-9, sum(r['sample_s'] for r in train)):.0f} sampled tokens/s")
+    return "\n".join(lines)
+
+
+
+
+def peak_memory_mb(device):
+    """This process's peak: CUDA memory allocated on a GPU, resident memory otherwise."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux
+
+
+def memcpy_seconds(num_bytes, device, repeats=5):
+    """The best time of one in-memory copy of num_bytes: the yardstick for a weight sync."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def reduce_metrics(sums, maxima, device):
+    """The whole step's metrics from every learner's share. `sums` is a list of dicts
+    whose values add up across learners, `maxima` one dict whose values take the
+    largest; the result has the same shape. Two collectives, whatever the number of
+    metrics (every learner holds the same keys, so the order agrees)."""
+    keys = [sorted(d) for d in sums]
+    peaks = sorted(maxima)
+    total = torch.tensor([float(d[k]) for d, ks in zip(sums, keys) for k in ks], dtype=torch.float64, device=device)
+    peak = torch.tensor([float(maxima[k]) for k in peaks], dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    values = iter(total.tolist())
+    return [{k: next(values) for k in ks} for ks in keys], dict(zip(peaks, peak.tolist()))
+
+
+def step_metrics(step, rollouts, reports, sums, token_sums, maxima, grad_norm, lr, wait_s, train_s):
+    """One row of metrics.jsonl. token_sums (the objective's metrics, the KL, the
+    mismatch and the entropy) are sums over the trained tokens, reported per token."""
+    rewards = torch.tensor([c.reward for c in rollouts])
+    lengths = torch.tensor([len(c.token_ids) for c in rollouts], dtype=torch.float32)
+    parts = {name: sum(c.parts[name] for c in rollouts) / len(rollouts) for name in rollouts[0].parts}
+    tokens = max(1.0, sums["tokens"])
+    return {
+        "step": step,
+        "reward_mean": rewards.mean().item(),
+        "reward_std": rewards.std().item(),
+        "accuracy": parts.get("accuracy", 0.0),
+        "format": parts.get("format", 0.0),
+        **{f"reward_{k}": v for k, v in parts.items() if k not in ("accuracy", "format")},
+        "completion_len": lengths.mean().item(),
+        "completion_len_max": lengths.max().item(),
+        "truncated_frac": sum(c.truncated for c in rollouts) / len(rollouts),
+        "loss": sums["loss"],
+        "grad_norm": grad_norm,
+        "lr": lr,
+        **{k: v / tokens for k, v in token_sums.items()},
+        "mismatch_max": maxima["mismatch"],
+        "groups_uniform": int(sums["groups_uniform"]),
+        "groups_dropped": int(sums["groups_dropped"]),
+        "sequences_trained": int(sums["sequences_trained"]),
+        "tokens_sampled": int(lengths.sum()),
+        "tokens_trained": int(sums["tokens"]),
+        "padded_frac": sums["padding"] / max(1.0, sums["positions"]),
+        "staleness": step - min(r["weights_step"] for r in reports),
+        "samplers": len(reports),
+        "peak_memory_mb_learner": maxima["peak_memory_mb"],
+        "peak_memory_mb_sampler": max(r["peak_memory_mb"] for r in reports),
+        "sample_s": max(r["sample_s"] for r in reports),
+        "reward_s": max(r["reward_s"] for r in reports),
+        "wait_s": wait_s,
+        "train_s": train_s,
+    }
+
+
+def plot(out_dir):
+    """curves.png from metrics.jsonl: reward and accuracies, and seconds per phase."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no curves.png")
+        return None
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    train = [r for r in rows if "reward_mean" in r]
+    evals = [r for r in rows if "eval_accuracy" in r]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = [r["step"] for r in train]
+    left.plot(steps, [r["reward_mean"] for r in train], label="reward")
+    left.plot(steps, [r["accuracy"] for r in train], label="train accuracy")
+    left.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-", label="eval accuracy")
+    left.set_xlabel("step")
+    left.legend()
+    for phase in ("sync_s", "sample_s", "reward_s", "wait_s", "train_s"):
+        right.plot(steps, [r[phase] for r in train], label=phase)
+    right.set_xlabel("step")
+    right.set_ylabel("seconds")
+    right.legend()
+    path = os.path.join(out_dir, "curves.png")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+
+
+def open_reporter(cfg):
+    """A function that forwards one metrics row to wandb or TensorBoard, or None."""
+    if cfg.report_to == "wandb":
+        import wandb
+
+        run = wandb.init(project="grpo", dir=cfg.out_dir, config=dataclasses.asdict(cfg))
+        return lambda row: run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+    if cfg.report_to == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(cfg.out_dir)
+
+        def report(row):
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    writer.add_scalar(k, v, row["step"])
+            writer.flush()
+
+        return report
+    return None
+
+
+def open_log(path, first_step):
+    """A JSON-lines log opened for appending, without the rows of steps >= first_step
+    (which a resumed run writes again)."""
+    rows = []
+    if first_step and os.path.exists(path):
+        rows = [line for line in open(path) if json.loads(line)["step"] < first_step]
+    with open(path, "w") as f:
+        f.writelines(rows)
+    return open(path, "a")
+
+
+
+
+def merge_evals(reports):
+    """One eval from the samplers' shares (each sampler sends one after every due sync)."""
+    evals = [r["eval"] for r in reports]
+    n = max(1, sum(e["n"] for e in evals))
+    return {f"eval_{k}": sum(e[k] for e in evals) / n for k in ("accuracy", "format", "length")}
+
+

@@ -1,0 +1,123 @@
+"""Where ranks run on GPUs, decided by pure functions and checked over many simulated
+layouts: no GPU here, so this is how the GPU layouts are proven before any GPU run."""
+
+import pytest
+
+from comm import default_layout, placement, visible_gpus
+from grpo import parse_config, resolve
+
+
+def layout(nnodes, nproc, learners, gpus):
+    """Every rank's placement in a job of nnodes x nproc ranks, each node seeing `gpus`."""
+    world = nnodes * nproc
+    return [placement(r, r % nproc, nproc, world, learners, gpus) for r in range(world)]
+
+
+def check(places, nproc, learners, gpus):
+    """The invariants NCCL and vLLM need, whatever the layout."""
+    slot = [(r // nproc, p.gpu) for r, p in enumerate(places)]  # (node, GPU id)
+    learner_slots = [slot[r] for r in range(learners)]
+    assert len(set(learner_slots)) == learners, f"two learners share a GPU: {learner_slots}"
+    assert all(p.gpu in gpus for p in places), "a rank was given a GPU this node does not show"
+    assert [p.learner for p in places] == [r < learners for r in range(len(places))]
+    assert {p.learner_backend for p in places if p.learner} == {"cpu:gloo,cuda:nccl"}
+    members = [0, *range(learners, len(places))]
+    backends = {places[r].weight_backend for r in members}
+    assert len(backends) == 1, f"the weight group's members disagree on its backend: {backends}"
+    if backends == {"nccl"}:
+        assert len({slot[r] for r in members}) == len(members), "NCCL asked to hold two ranks of one group on one GPU"
+    for r in range(learners, len(places)):
+        share = sum(places[s].sampler_gpu_memory for s in range(learners, len(places)) if slot[s] == slot[r])
+        beside_learner = slot[r] in learner_slots
+        assert 0 < share <= (0.3 if beside_learner else 0.8) + 1e-9, (r, share)
+    return slot, backends.pop()
+
+
+EIGHT = [str(i) for i in range(8)]
+
+
+@pytest.mark.parametrize("num_gpus", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_launch_defaults_are_valid_for_every_gpu_count(num_gpus):
+    gpus = EIGHT[:num_gpus]
+    nproc, learners = default_layout(num_gpus)
+    slot, backend = check(layout(1, nproc, learners, gpus), nproc, learners, gpus)
+    samplers = nproc - learners
+    # The default run (64 prompts x 8 completions on the hub model) must pass the flag checks.
+    cfg = resolve(parse_config(["--learners", str(learners), "--out-dir", "/nonexistent/run"]), nproc, has_gpu=True)
+    assert cfg.prompts_per_step % samplers == 0 and (cfg.prompts_per_step * cfg.group_size) % learners == 0
+    if num_gpus == 1:
+        assert (nproc, learners) == (2, 1) and backend == "gloo" and slot[0] == slot[1]
+    else:
+        assert len(set(slot)) == nproc and backend == "nccl", "with 2+ GPUs every rank gets one of its own"
+    expected = {1: (2, 1), 2: (2, 1), 3: (3, 1), 4: (4, 2), 5: (5, 1), 6: (6, 2), 7: (6, 2), 8: (8, 4)}
+    assert (nproc, learners) == expected[num_gpus]
+
+
+def test_one_gpu_shared_by_a_learner_and_a_sampler():
+    learner, sampler = layout(1, 2, 1, ["0"])
+    assert learner.gpu == sampler.gpu == "0"
+    assert learner.weight_backend == sampler.weight_backend == "gloo"  # NCCL cannot hold both on one GPU
+    assert sampler.sampler_gpu_memory == pytest.approx(0.3) and learner.sampler_gpu_memory == 0.0
+
+
+@pytest.mark.parametrize("visible, expected", [("0,1", ["0", "1"]), ("2,3", ["2", "3"]), ("GPU-aa11,GPU-bb22", ["GPU-aa11", "GPU-bb22"])])
+def test_cuda_visible_devices_on_an_eight_gpu_host(tmp_path, visible, expected):
+    driver = tmp_path / "gpus"
+    driver.mkdir()
+    for i in range(8):
+        (driver / f"0000:0{i}:00.0").mkdir()
+    gpus = visible_gpus({"CUDA_VISIBLE_DEVICES": visible}, str(driver))
+    assert gpus == expected
+    assert visible_gpus({}, str(driver)) == EIGHT  # no variable: every GPU the driver lists
+    nproc, learners = default_layout(len(gpus))
+    places = layout(1, nproc, learners, gpus)
+    check(places, nproc, learners, gpus)
+    assert [p.gpu for p in places] == expected  # learner on the first visible GPU, sampler on the second
+
+
+def test_no_driver_means_no_gpu_whatever_the_environment(tmp_path):
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0,1"}, str(tmp_path / "absent")) == []
+    places = layout(1, 3, 2, [])
+    assert [p.gpu for p in places] == [None] * 3
+    assert {p.learner_backend for p in places} == {"gloo"} and {p.weight_backend for p in places} == {"gloo"}
+
+
+def test_two_nodes_of_one_gpu():
+    nproc, learners = default_layout(1, nnodes=2)
+    assert (nproc, learners) == (1, 1)
+    slot, backend = check(layout(2, nproc, learners, ["0"]), nproc, learners, ["0"])
+    assert slot == [(0, "0"), (1, "0")] and backend == "nccl"  # one GPU per node: each rank has its own
+
+
+def test_two_nodes_of_eight_gpus():
+    nproc, learners = default_layout(8, nnodes=2)
+    assert (nproc, learners) == (8, 8)
+    slot, backend = check(layout(2, nproc, learners, EIGHT), nproc, learners, EIGHT)
+    assert backend == "nccl"
+    assert all(node == 0 for node, _ in slot[:8]) and all(node == 1 for node, _ in slot[8:])
+
+
+@pytest.mark.parametrize(
+    "nnodes, nproc, learners, num_gpus",
+    [
+        (1, 4, 3, 2),  # more learners than GPUs
+        (1, 8, 8, 4),
+        (2, 2, 2, 1),  # the old launch.sh default for 2 nodes x 1 GPU: both learners on node 0
+    ],
+)
+def test_an_impossible_layout_is_refused_with_the_fix(nnodes, nproc, learners, num_gpus):
+    gpus = EIGHT[:num_gpus]
+    with pytest.raises(ValueError) as e:
+        layout(nnodes, nproc, learners, gpus)
+    message = str(e.value)
+    assert "\n" not in message and "two learners on one GPU" in message
+    assert f"--learners {min(num_gpus, nproc)} or fewer" in message
+
+
+def test_samplers_sharing_a_gpu_split_its_memory():
+    # 2 GPUs, 1 learner, 3 samplers: one sampler has GPU 1... then the others share.
+    places = layout(1, 4, 1, ["0", "1"])
+    slot, backend = check(places, 4, 1, ["0", "1"])
+    assert backend == "gloo"  # two samplers on one GPU: not NCCL
+    assert [p.gpu for p in places] == ["0", "1", "1", "1"]
+    assert [round(p.sampler_gpu_memory, 3) for p in places[1:]] == [0.267, 0.267, 0.267]
