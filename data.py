@@ -1,25 +1,17 @@
-"""Prompts: GSM8K and the embedded synthetic task, chat-template prompts, a
-deterministic per-step order, and the tiny embedded model the CPU default trains."""
+"""Prompts: any dataset (local files, the hub, the embedded synthetic task), its rows
+checked for what the rewards need, chat-template prompts, and a deterministic per-step
+order and sharding."""
 
 import json
 import os
 import random
-import re
-import shutil
 from collections import Counter
+
+from rewards import BUILTIN, parse_reward_spec
 
 SYSTEM_PROMPT = "Solve the problem. End your reply with a line '#### <answer>'."
 HUB_GSM8K = "openai/gsm8k"
-
-
-def parse_gsm8k_answer(text):
-    """Gold number from a GSM8K answer ('... #### 1,234' -> '1234'), or None."""
-    if not isinstance(text, str) or "####" not in text:
-        return None
-    tail = text.rsplit("####", 1)[1].strip().replace(",", "").replace("$", "").strip()
-    if not re.fullmatch(r"-?\d+(?:\.\d+)?(?:/\d+)?", tail):
-        return None
-    return tail
+DEFAULT_REWARDS = "accuracy,format"
 
 
 # ---------------------------------------------------------------- the synthetic task
@@ -30,7 +22,10 @@ THINGS = ["apples", "pens", "cards", "coins", "eggs", "books"]
 
 # b is 1, 2 or 3 and the result a single digit: 48 (a, op, b) facts. b = 0 is left out:
 # copying `a` was then right 29% of the time, and RL settled there.
-PAIRS = {"+": [(a, b) for a in range(10) for b in (1, 2, 3) if a + b <= 9], "-": [(a, b) for a in range(10) for b in (1, 2, 3) if b <= a]}
+PAIRS = {
+    "+": [(a, b) for a in range(10) for b in (1, 2, 3) if a + b <= 9],
+    "-": [(a, b) for a in range(10) for b in (1, 2, 3) if b <= a],
+}
 
 
 def synthetic_problem(rng, result=None):
@@ -57,29 +52,44 @@ def synthetic_dataset(split, n=None):
 
 # ---------------------------------------------------------------- loading and checking rows
 
+FILE_TYPES = (".jsonl", ".json", ".parquet")
+
+
+def dataset_error(dataset):
+    """Why --dataset cannot work, or None: a file name that is not there, or not of a type
+    read here. Any other name is taken for a hub dataset, which only loading can check."""
+    if dataset in ("synthetic", "gsm8k", HUB_GSM8K) or os.path.isdir(dataset):
+        return None
+    if os.path.isfile(dataset):
+        return None if dataset.endswith(FILE_TYPES) else f"{dataset} is not .jsonl, .json or .parquet"
+    if dataset.endswith(FILE_TYPES) or dataset.startswith((".", "/", "~")):
+        return f"no such file: {dataset}"
+    return None
+
 
 def read_rows(dataset, split):
-    """Raw rows: 'synthetic', 'gsm8k' (the hub), or a local .jsonl/.json/.parquet path."""
+    """Raw rows: 'synthetic', 'gsm8k' (the hub), a local .jsonl/.json/.parquet path, or
+    any other hub dataset (or local dataset folder) by name, through datasets.load_dataset."""
     if dataset == "synthetic":
         return synthetic_dataset(split)
-    if dataset in ("gsm8k", HUB_GSM8K):
-        import datasets
-
-        return list(datasets.load_dataset(HUB_GSM8K, "main", split=split))
-    if not os.path.exists(dataset):
-        raise SystemExit(f"--dataset: no such file or dataset name: {dataset}")
-    if dataset.endswith(".jsonl"):
+    if (error := dataset_error(dataset)) is not None:
+        raise SystemExit(f"--dataset: {error}")
+    if dataset.endswith(".jsonl") and os.path.isfile(dataset):
         with open(dataset) as f:
             return [_json_or_none(line) for line in f if line.strip()]
-    if dataset.endswith(".json"):
+    if dataset.endswith(".json") and os.path.isfile(dataset):
         with open(dataset) as f:
             rows = json.load(f)
         return rows if isinstance(rows, list) else rows.get(split, [])
-    if dataset.endswith(".parquet"):
-        import datasets
+    import datasets
 
+    if dataset.endswith(".parquet") and os.path.isfile(dataset):
         return list(datasets.load_dataset("parquet", data_files=dataset, split="train"))
-    raise SystemExit(f"--dataset: {dataset} is not .jsonl, .json or .parquet")
+    name, config = (HUB_GSM8K, "main") if dataset in ("gsm8k", HUB_GSM8K) else (dataset, None)
+    try:
+        return list(datasets.load_dataset(name, config, split=split))
+    except Exception as e:  # not on the hub, no network, no such split: one line, not a traceback
+        raise SystemExit(f"--dataset: cannot load {dataset!r} [{split}]: {type(e).__name__}: {e}")
 
 
 def _json_or_none(line):
@@ -89,44 +99,89 @@ def _json_or_none(line):
         return None
 
 
-def clean_rows(rows, source):
-    """Keep usable rows as {question, gold}; count the rest per cause and say so once."""
+def chat(row, prompt_field="question", messages_field="messages"):
+    """A row's prompt as chat messages: its messages column when it has one, else its prompt
+    field, a string (the user's message) or itself a list of messages. None when unusable."""
+    messages = row.get(messages_field)
+    if messages is None:
+        messages = row.get(prompt_field)
+        if isinstance(messages, str):
+            return [{"role": "user", "content": messages.strip()}] if messages.strip() else None
+    if not isinstance(messages, list) or not messages:
+        return None
+    if not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ):
+        return None
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def clean_rows(rows, source, reward_fns=None, prompt_field="question", messages_field="messages"):
+    """Keep the rows that make a prompt and hold what every reward needs (`fn.needs`
+    columns, `fn.check`; default rewards: accuracy and format); count the rest per cause
+    and say so once."""
+    reward_fns = parse_reward_spec(DEFAULT_REWARDS) if reward_fns is None else reward_fns
     kept, bad = [], Counter()
     for row in rows:
         if not isinstance(row, dict):
             bad["not a JSON object"] += 1
-        elif "question" not in row or "answer" not in row:
-            bad["missing question or answer field"] += 1
-        elif not isinstance(row["question"], str) or not row["question"].strip():
-            bad["empty question"] += 1
-        elif (gold := parse_gsm8k_answer(row["answer"])) is None:
-            bad["answer without a '#### <number>'"] += 1
+        elif row.get(messages_field) is None and row.get(prompt_field) is None:
+            bad[f"missing '{prompt_field}' field"] += 1
+        elif chat(row, prompt_field, messages_field) is None:
+            field = messages_field if row.get(messages_field) is not None else prompt_field
+            bad[f"empty or malformed '{field}'"] += 1
+        elif cause := _reward_cause(row, reward_fns):
+            bad[cause] += 1
         else:
-            kept.append({"question": row["question"].strip(), "gold": gold})
+            kept.append(row)
     if bad:
         print(f"{source}: skipped {sum(bad.values())} bad rows: " + ", ".join(f"{n} {c}" for c, n in bad.items()))
     if not kept:
-        if rows and all(isinstance(r, dict) for r in rows):
-            missing = {"question", "answer"} - set(rows[0])
+        if rows and isinstance(rows[0], dict):
+            needed = [c for _, fn, _ in reward_fns for c in getattr(fn, "needs", ())]
+            missing = [c for c in ([] if messages_field in rows[0] else [prompt_field]) + needed if c not in rows[0]]
             if missing:
-                raise SystemExit(f"{source}: no usable rows; field {sorted(missing)[0]!r} is missing")
+                raise SystemExit(f"{source}: no usable rows; field {missing[0]!r} is missing")
         raise SystemExit(f"{source}: no usable rows")
     return kept
 
 
-def build_prompts(records, tokenizer, max_prompt_len, source, system_prompt=SYSTEM_PROMPT):
-    """Chat-template token ids per record; over-long prompts are dropped and counted once."""
+def _reward_cause(row, reward_fns):
+    """Why a row cannot be scored by the rewards, or None."""
+    for name, fn, _ in reward_fns:
+        for column in getattr(fn, "needs", ()):
+            if row.get(column) is None:
+                return f"missing '{column}' field (reward {name})"
+        if hasattr(fn, "check") and (cause := fn.check(row)):
+            return cause
+    return None
+
+
+def build_prompts(
+    records,
+    tokenizer,
+    max_prompt_len,
+    source,
+    system_prompt=SYSTEM_PROMPT,
+    prompt_field="question",
+    messages_field="messages",
+):
+    """Each record with its "prompt" (the last user message's text) and chat-template
+    "prompt_ids"; the system prompt goes first unless the chat has its own. Over-long
+    prompts are dropped and counted once."""
     out, dropped = [], 0
-    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
     for r in records:
-        messages = system + [{"role": "user", "content": r["question"]}]
+        messages = chat(r, prompt_field, messages_field)
+        if system_prompt and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": system_prompt}] + messages
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         if len(ids) > max_prompt_len:
             dropped += 1
             continue
-        out.append({**r, "prompt_ids": list(ids)})
+        prompt = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+        out.append({**r, "prompt": prompt, "prompt_ids": list(ids)})
     if dropped:
         print(f"{source}: dropped {dropped} prompts longer than {max_prompt_len} tokens")
     if not out:
@@ -134,12 +189,21 @@ def build_prompts(records, tokenizer, max_prompt_len, source, system_prompt=SYST
     return out
 
 
-def load_prompts(dataset, split, tokenizer, max_prompt_len):
+def load_prompts(
+    dataset, split, tokenizer, max_prompt_len, reward_fns=None, prompt_field="question", messages_field="messages"
+):
+    """The records to train or evaluate on: every column of each usable row, plus "prompt"
+    and "prompt_ids". `reward_fns` (parse_reward_spec's; default accuracy and format)
+    decide which rows are usable, and whether the GSM8K answer-format instruction is the
+    system prompt: only with a GSM8K reward, and never for the synthetic task."""
+    reward_fns = parse_reward_spec(DEFAULT_REWARDS) if reward_fns is None else reward_fns
     source = f"{dataset} [{split}]"
     # The tiny model learns the answer format in its warm-up, not from instructions,
     # and the system prompt would be half the tokens it trains on.
-    system_prompt = None if dataset == "synthetic" else SYSTEM_PROMPT
-    return build_prompts(clean_rows(read_rows(dataset, split), source), tokenizer, max_prompt_len, source, system_prompt)
+    gsm8k = any(fn in BUILTIN.values() for _, fn, _ in reward_fns)
+    system_prompt = SYSTEM_PROMPT if gsm8k and dataset != "synthetic" else None
+    rows = clean_rows(read_rows(dataset, split), source, reward_fns, prompt_field, messages_field)
+    return build_prompts(rows, tokenizer, max_prompt_len, source, system_prompt, prompt_field, messages_field)
 
 
 # ---------------------------------------------------------------- deterministic order
@@ -163,99 +227,3 @@ def shard(items, rank, world):
     """Contiguous shard `rank` of `world`; len(items) must divide evenly."""
     per = len(items) // world
     return items[rank * per : (rank + 1) * per]
-
-
-# ---------------------------------------------------------------- the tiny embedded model
-
-TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-TINY_VERSION = 5  # bump when the tokenizer, the task or the warm-up changes
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def tiny_model_dir():
-    root = os.environ.get("GRPO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "grpo"))
-    tag = "-".join(str(v) for v in TINY.values())
-    return os.path.join(root, f"tiny-qwen2-{tag}-v{TINY_VERSION}")
-
-
-def build_tiny_tokenizer():
-    """A character-level tokenizer: byte-level BPE with every byte in the vocabulary and
-    no merges. It is the Qwen2 tokenizer's own pipeline, so transformers and vLLM,
-    which pick the tokenizer class from the model type, load it unchanged."""
-    from tokenizers import pre_tokenizers
-    from transformers import Qwen2Tokenizer
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + alphabet)}
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
-
-def build_tiny_model(path, seed=0, warmup_steps=300):
-    """A Qwen2 with a character vocabulary, saved where vLLM and transformers both load
-    it. From random init it is first taught the answer format on synthetic problems
-    whose results are random numbers: it then writes well-formed answers at chance
-    accuracy, and GRPO has something to improve (its "pretraining"). Written to a
-    temporary folder and renamed, so a crash never leaves half a model behind."""
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
-
-    tokenizer = build_tiny_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        **TINY,
-    )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
-    format_warmup(model, tokenizer, warmup_steps, seed)
-    tmp = f"{path}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(tmp)
-    try:
-        os.rename(tmp, path)
-    except OSError:  # another process finished first; its copy is identical
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
-
-def format_warmup(model, tokenizer, steps, seed, batch_size=64, lr=3e-3):
-    """Supervised training on completions only, with random results in the answers."""
-    import torch
-
-    rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 30) * (1 - s / steps))
-    model.train()
-    for _ in range(steps):
-        rows = []
-        for _ in range(batch_size):
-            record = synthetic_problem(rng, result=rng.randint(0, 9))
-            prompt = build_prompts([record], tokenizer, 10**6, "warm-up", system_prompt=None)[0]["prompt_ids"]
-            completion = tokenizer(record["answer"] + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
-            rows.append((prompt, completion))
-        width = max(len(p) + len(c) for p, c in rows)
-        ids = torch.full((batch_size, width), tokenizer.pad_token_id)
-        labels = torch.full((batch_size, width), -100)
-        for i, (p, c) in enumerate(rows):
-            ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-            labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
-        loss = model(input_ids=ids, attention_mask=(labels != -100) | (torch.arange(width) < torch.tensor([len(p) for p, _ in rows])[:, None]), labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad()
-    model.eval()

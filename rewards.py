@@ -1,11 +1,25 @@
-"""Scoring: GSM8K accuracy and format rewards, and their weighted sum.
+"""Scoring: the GSM8K accuracy and format rewards, user rewards by module:function, and
+their weighted sum over a batch, with user rewards run in worker processes under a timeout.
 
-Every reward has the signature `fn(completion: str, gold: str) -> float`, never raises,
-and runs in time linear in the completion: only anchored or length-capped regexes
-are used, so no input can make them backtrack catastrophically."""
+Every reward has the signature `fn(completion: str, record: dict) -> float`. `record`
+holds every column of the dataset row, plus "prompt" (the user's message text),
+"prompt_ids" and "step". A reward may declare the columns it reads as `fn.needs`, and a
+finer row check as `fn.check(row) -> None or a reason`; the data loader skips and counts
+the rows that fail them. The built-ins never raise and run in time linear in the
+completion: only anchored or length-capped regexes are used, so no input can make them
+backtrack catastrophically."""
 
+import atexit
+import contextlib
 import importlib
+import os
+import pickle
 import re
+import select
+import subprocess
+import sys
+import time
+import traceback
 from fractions import Fraction
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d*)?(?:/\d+)?")
@@ -72,19 +86,33 @@ def final_answer(completion):
     return None
 
 
-def gsm8k_accuracy(completion, gold):
-    """1.0 when the completion's final answer equals the gold number, else 0.0."""
+def parse_gsm8k_answer(text):
+    """Gold number from a GSM8K answer ('... #### 1,234' -> '1234'), or None."""
+    if not isinstance(text, str) or "####" not in text:
+        return None
+    tail = text.rsplit("####", 1)[1].strip().replace(",", "").replace("$", "").strip()
+    if not re.fullmatch(r"-?\d+(?:\.\d+)?(?:/\d+)?", tail):
+        return None
+    return tail
+
+
+def gsm8k_accuracy(completion, record):
+    """1.0 when the completion's final answer equals the number after the '####' of the
+    record's GSM8K-style "answer" column, else 0.0."""
     try:
-        answer, target = to_number(final_answer(completion)), to_number(gold)
+        answer, target = to_number(final_answer(completion)), to_number(parse_gsm8k_answer(record["answer"]))
         return float(answer is not None and target is not None and answer == target)
     except Exception:  # rewards never take a run down
         return 0.0
 
 
+gsm8k_accuracy.needs = ("answer",)
+gsm8k_accuracy.check = lambda row: None if parse_gsm8k_answer(row["answer"]) else "answer without a '#### <number>'"
+
 FORMAT = re.compile(r"####[ \t]*\$?-?\d[\d,]*(?:\.\d+)?\.?[ \t]*")
 
 
-def gsm8k_format(completion, gold=None):
+def gsm8k_format(completion, record=None):
     """1.0 when the completion ends with exactly one '#### <number>' line, else 0.0."""
     try:
         if completion.count("####") != 1:
@@ -114,8 +142,10 @@ def parse_reward_spec(spec):
             module, _, attr = name.partition(":")
             try:
                 fn = getattr(importlib.import_module(module), attr)
-            except (ImportError, AttributeError) as e:
+            except Exception as e:  # ImportError, AttributeError, or whatever the module raises on import
                 raise ValueError(f"cannot load reward {name!r}: {e}")
+            if not callable(fn):
+                raise ValueError(f"reward {name!r} is not a function")
         else:
             raise ValueError(f"unknown reward {name!r}: use one of {sorted(BUILTIN)} or module:function")
         out.append((name, fn, weight))
@@ -124,7 +154,164 @@ def parse_reward_spec(spec):
     return out
 
 
-def score(completion, gold, reward_fns):
-    """(total, {name: value}) for one completion under the weighted reward functions."""
-    parts = {name: float(fn(completion, gold)) for name, fn, _ in reward_fns}
-    return sum(w * parts[name] for name, _, w in reward_fns), parts
+# ---------------------------------------------------------------- scoring a batch
+
+TIMEOUT = "timeout"
+GRACE = 0.5  # seconds past a call's timeout before its worker is killed; a call that returns is judged by its own clock
+_pools, _reported = {}, set()
+
+
+def score_batch(completions, records, reward_fns, step=0, timeout=10.0, workers=1):
+    """Score completions[i] against records[i] under the weighted rewards:
+    (totals, parts, counts), parts[i] = {name: value}. A call that raises or dies scores 0
+    and counts as a reward error (its first traceback is printed once per reward); one
+    that runs past `timeout` seconds scores 0 and counts as a reward timeout. counts =
+    {reward_errors, reward_timeouts, rewards_failed: completions with a failed call,
+    rewards: completions}, all sums, so the samplers' counts add up."""
+    parts, done, pooled = [{} for _ in completions], [], []
+    for i, (completion, record) in enumerate(zip(completions, records)):
+        record = {**record, "step": step}
+        for k, (name, fn, _) in enumerate(reward_fns):
+            if fn in BUILTIN.values():  # linear-time and never raise (tested): no process needed
+                done.append((i, name, float(fn(completion, record)), None))
+            else:
+                pooled.append((i, name, (k, completion, record)))
+    if pooled:  # one pool per reward set, started on first use and kept: workers start once a run
+        key = (tuple(name for name, _, _ in reward_fns), workers)
+        if key not in _pools:
+            _pools[key] = RewardPool(key[0], workers)
+            atexit.register(_pools[key].close)
+        results = _pools[key].run([call for _, _, call in pooled], timeout)
+        done += [(i, name, value, error) for (i, name, _), (value, error) in zip(pooled, results)]
+    counts, failed = {"reward_errors": 0, "reward_timeouts": 0}, set()
+    for i, name, value, error in done:
+        parts[i][name] = value
+        if error:
+            failed.add(i)
+            counts["reward_timeouts" if error == TIMEOUT else "reward_errors"] += 1
+            if (name, error == TIMEOUT) not in _reported:
+                _reported.add((name, error == TIMEOUT))
+                what = f"ran past --reward-timeout {timeout:g} s" if error == TIMEOUT else f"failed:\n{error.rstrip()}"
+                print(f"reward {name!r} {what}\n(scored 0; later ones are only counted)", file=sys.stderr, flush=True)
+    totals = [sum(w * p[name] for name, _, w in reward_fns) for p in parts]
+    return totals, parts, {**counts, "rewards_failed": len(failed), "rewards": len(completions)}
+
+
+def check_failures(counts, max_fraction, step):
+    """Stop the run (SystemExit, one clear line) when more than `max_fraction` of a step's
+    completions had a reward call fail: a broken reward must not train on zeros for hours."""
+    if counts["rewards"] and counts["rewards_failed"] > max_fraction * counts["rewards"]:
+        raise SystemExit(
+            f"rewards: step {step}: {counts['rewards_failed']} of {counts['rewards']} completions had a reward fail "
+            f"({counts['reward_errors']} errors, {counts['reward_timeouts']} timeouts), more than --max-reward-errors "
+            f"{max_fraction:g}; the first failure of each reward is printed above"
+        )
+
+
+# User rewards run in worker processes, not threads. A call that hangs or loops is killed
+# at its timeout, where a hung thread would run on, keep its pool slot, hold the GIL against
+# the sampler and keep the interpreter from exiting; and N processes run CPU-heavy rewards
+# in parallel, which threads cannot under the GIL. Each worker is `python rewards.py SPEC`
+# (fork+exec, so nothing of vLLM's threads or of the caller's __main__ comes along); it
+# takes one call at a time over its stdin and answers (value, traceback or None, seconds).
+class RewardPool:
+    def __init__(self, names, workers, start_timeout=120.0):
+        self.spec, self.start_timeout, self.procs = ",".join(names), start_timeout, [None] * workers
+
+    def _spawn(self):
+        path = [p or os.getcwd() for p in sys.path]  # the caller's imports resolve alike in the worker
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+        command = [sys.executable, os.path.abspath(__file__), self.spec]
+        proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        try:
+            ready = select.select([proc.stdout], [], [], self.start_timeout)[0] and pickle.load(proc.stdout) == "ready"
+        except Exception:  # EOF: the worker died loading the rewards
+            ready = False
+        if not ready:
+            proc.kill()
+            raise SystemExit(f"rewards: a worker for {self.spec!r} did not start (its error, if any, is above)")
+        return proc
+
+    def _kill(self, w):
+        proc, self.procs[w] = self.procs[w], None
+        proc.kill()
+        status = proc.wait()
+        for pipe in (proc.stdin, proc.stdout):
+            with contextlib.suppress(OSError):
+                pipe.close()
+        return status
+
+    def run(self, calls, timeout):
+        """[(value, error)] for calls [(reward index, completion, record)], error None, a
+        traceback or TIMEOUT. Each worker has one call in flight; one past its deadline is killed."""
+        results, todo, busy = [None] * len(calls), list(range(len(calls)))[::-1], {}  # busy: worker -> (call, sent at)
+        while todo or busy:
+            for w in range(len(self.procs)):
+                if w not in busy and todo:
+                    if self.procs[w] is None or self.procs[w].poll() is not None:
+                        self.procs[w] = self._spawn()
+                    i = todo.pop()
+                    try:
+                        pickle.dump(calls[i], self.procs[w].stdin)
+                        self.procs[w].stdin.flush()
+                        busy[w] = (i, time.monotonic())
+                    except OSError:  # it died between calls
+                        results[i] = (0.0, f"reward worker died (exit status {self._kill(w)})")
+            if not busy:
+                continue
+            wait = min(sent for _, sent in busy.values()) + timeout + GRACE - time.monotonic()
+            ready = select.select([self.procs[w].stdout for w in busy], [], [], max(0.0, wait))[0]
+            for w in list(busy):
+                i, sent = busy[w]
+                if self.procs[w].stdout in ready:
+                    del busy[w]
+                    try:
+                        value, error, seconds = pickle.load(self.procs[w].stdout)
+                        results[i] = (0.0, TIMEOUT) if seconds > timeout else (value, error)
+                    except Exception:  # EOF: the reward killed its worker (os._exit, a crash)
+                        results[i] = (0.0, f"reward worker died (exit status {self._kill(w)})")
+                elif time.monotonic() > sent + timeout + GRACE:
+                    del busy[w]
+                    self._kill(w)
+                    results[i] = (0.0, TIMEOUT)
+        return results
+
+    def close(self):
+        for w, proc in enumerate(self.procs):
+            if proc is not None:
+                self._kill(w)
+
+
+def _serve(spec):
+    """A worker's loop: load the rewards, then answer calls until stdin closes."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the caller, even mid-call
+    except Exception:
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the caller, which ends its workers
+    calls, out = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # a reward that reads stdin or prints cannot touch the calls
+    os.dup2(2, 1)  # or the replies: its prints, on import too, go to stderr, at once
+    sys.stdout = sys.stderr
+    fns = [fn for _, fn, _ in parse_reward_spec(spec)]
+    pickle.dump("ready", out)
+    out.flush()
+    while True:
+        try:
+            k, completion, record = pickle.load(calls)
+        except EOFError:
+            return
+        start = time.perf_counter()
+        try:
+            reply = (float(fns[k](completion, record)), None)
+        except Exception:
+            reply = (0.0, traceback.format_exc())
+        pickle.dump((*reply, time.perf_counter() - start), out)
+        out.flush()
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1])

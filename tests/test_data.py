@@ -2,15 +2,17 @@ import json
 import os
 
 import pytest
+from task_rewards import write_task
 
 import data
+import tiny
 from conftest import GSM8K
-from rewards import gsm8k_accuracy, gsm8k_format
+from rewards import gsm8k_accuracy, gsm8k_format, parse_gsm8k_answer, parse_reward_spec
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return data.build_tiny_tokenizer()
+    return tiny.build_tiny_tokenizer()
 
 
 def test_tiny_tokenizer_round_trips_and_survives_save(tokenizer, tmp_path):
@@ -32,8 +34,8 @@ def test_synthetic_task_is_gsm8k_shaped_and_deterministic():
     assert train == data.synthetic_dataset("train")
     assert train[:50] != test[:50]
     for row in train[:500]:
-        gold = data.parse_gsm8k_answer(row["answer"])
-        assert gold is not None and gsm8k_accuracy(row["answer"], gold) == 1.0 and gsm8k_format(row["answer"]) == 1.0
+        gold = parse_gsm8k_answer(row["answer"])
+        assert gold is not None and gsm8k_accuracy(row["answer"], row) == 1.0 and gsm8k_format(row["answer"]) == 1.0
         a, op, b = row["answer"][0], row["answer"][1], row["answer"][2]
         assert int(gold) == (int(a) + int(b) if op == "+" else int(a) - int(b))
 
@@ -48,11 +50,18 @@ def test_bad_rows_are_counted_per_cause(capsys):
         {"question": "q6", "answer": "#### 6"},
     ]
     kept = data.clean_rows(rows, "mine")
-    assert [r["gold"] for r in kept] == ["1", "6"]
+    assert kept == [rows[0], rows[5]]  # whole rows, every column
     out = capsys.readouterr().out
     assert "skipped 4 bad rows" in out
-    for cause in ["1 missing question or answer field", "1 empty question", "1 answer without", "1 not a JSON object"]:
-        assert cause in out
+    causes = [
+        "1 missing 'answer' field (reward accuracy)",
+        "1 empty or malformed 'question'",
+        "1 answer without",
+        "1 not a JSON object",
+    ]
+    assert all(cause in out for cause in causes)
+    # the '#### <number>' check is the accuracy reward's: without it, row 4 is usable
+    assert data.clean_rows(rows, "mine", parse_reward_spec("format")) == [rows[0], rows[1], rows[3], rows[5]]
 
 
 def test_no_usable_rows_is_one_clear_error():
@@ -71,7 +80,8 @@ def test_local_files_every_format(tmp_path, tokenizer):
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "d.parquet"))
     for name in ["d.jsonl", "d.json", "d.parquet"]:
         prompts = data.load_prompts(str(tmp_path / name), "train", tokenizer, 512)
-        assert [p["gold"] for p in prompts] == ["1", "2", "3", "4", "5"]
+        assert [parse_gsm8k_answer(p["answer"]) for p in prompts] == ["1", "2", "3", "4", "5"]
+        assert prompts[0]["prompt"] == "What is 0+1?" and prompts[0]["question"] == "What is 0+1?"
         text = tokenizer.decode(prompts[0]["prompt_ids"])
         assert data.SYSTEM_PROMPT in text and "What is 0+1?" in text and text.endswith("<|im_start|>assistant\n")
     with pytest.raises(SystemExit, match="no such file"):
@@ -79,6 +89,90 @@ def test_local_files_every_format(tmp_path, tokenizer):
     (tmp_path / "wrong.jsonl").write_text(json.dumps({"prompt": "x", "answer": "#### 1"}) + "\n")
     with pytest.raises(SystemExit, match="wrong.jsonl.*'question' is missing"):
         data.load_prompts(str(tmp_path / "wrong.jsonl"), "train", tokenizer, 512)
+
+
+def test_any_dataset_its_own_columns_and_rows_checked_for_its_rewards(tmp_path, tokenizer, capsys):
+    """A task that is not GSM8K: 300 rows with their own prompt and answer columns, and a
+    few bad ones. The rows reach the records whole; only what its reward needs is checked."""
+    path = write_task(str(tmp_path / "task.jsonl"))
+    rows = [json.loads(line) for line in open(path)]
+    with open(path, "a") as f:
+        f.write(json.dumps({"id": 300, "problem": "Write f.", "entry_point": "f"}) + "\n")  # no tests
+        f.write(json.dumps({"id": 301, "problem": " ", "entry_point": "f", "tests": []}) + "\n")
+        f.write(json.dumps({"id": 302, "task": "Write f.", "entry_point": "f", "tests": []}) + "\n")
+        f.write("[1, 2]\n{broken json\n")
+    fns = parse_reward_spec("tests.task_rewards:passes_tests")
+    records = data.load_prompts(path, "train", tokenizer, 512, fns, prompt_field="problem")
+    assert [{k: r[k] for k in rows[0]} for r in records] == rows  # every column of every good row
+    assert all(r["prompt"] == r["problem"] for r in records)
+    text = tokenizer.decode(records[0]["prompt_ids"])
+    assert text == f"<|im_start|>user\n{rows[0]['problem']}<|im_end|>\n<|im_start|>assistant\n"  # no GSM8K instruction
+    out = capsys.readouterr().out
+    assert "skipped 5 bad rows" in out
+    causes = [
+        "1 missing 'tests' field (reward tests.task_rewards:passes_tests)",
+        "1 empty or malformed 'problem'",
+        "1 missing 'problem' field",
+        "2 not a JSON object",
+    ]
+    assert all(cause in out for cause in causes)
+    # the same rows under the GSM8K accuracy reward, or with the wrong prompt field: one clear error
+    with pytest.raises(SystemExit, match="task.jsonl.*field 'answer' is missing"):
+        data.load_prompts(path, "train", tokenizer, 512, parse_reward_spec("accuracy"), prompt_field="problem")
+    with pytest.raises(SystemExit, match="field 'question' is missing"):
+        data.load_prompts(path, "train", tokenizer, 512, fns)
+
+
+def test_chat_messages_build_the_prompt(tmp_path, tokenizer, capsys):
+    rows = [
+        {
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Add 2 and 3."}],
+            "answer": "#### 5",
+        },
+        {"messages": [{"role": "user", "content": "Add 1 and 1."}], "question": "ignored", "answer": "#### 2"},
+        {"messages": [{"role": "user"}], "answer": "#### 2"},
+        {"messages": "not a list", "answer": "#### 2"},
+    ]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    records = data.load_prompts(str(path), "train", tokenizer, 512)
+    assert [r["prompt"] for r in records] == ["Add 2 and 3.", "Add 1 and 1."]
+    first, second = (tokenizer.decode(r["prompt_ids"]) for r in records)
+    assert first.startswith("<|im_start|>system\nBe brief.<|im_end|>")  # the row's own system message
+    assert data.SYSTEM_PROMPT not in first
+    assert second.startswith(f"<|im_start|>system\n{data.SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\nAdd 1 and 1.")
+    assert "2 empty or malformed 'messages'" in capsys.readouterr().out
+    # a prompt field may itself hold the messages (TRL's conversational "prompt"), and the field may be renamed
+    path.write_text(json.dumps({"prompt": [{"role": "user", "content": "Hi"}], "answer": "#### 1"}))
+    assert data.load_prompts(str(path), "train", tokenizer, 512, prompt_field="prompt")[0]["prompt"] == "Hi"
+    path.write_text(json.dumps({"chat": [{"role": "user", "content": "Yo"}], "answer": "#### 1"}))
+    assert data.load_prompts(str(path), "train", tokenizer, 512, messages_field="chat")[0]["prompt"] == "Yo"
+
+
+def test_hub_datasets_by_name(monkeypatch, tmp_path):
+    """A name that is no file goes to datasets.load_dataset (no network here: it is faked)."""
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(name, config=None, split=None, **kwargs):
+        calls.append((name, config, split))
+        if name == "nobody/missing":
+            raise FileNotFoundError("Dataset 'nobody/missing' doesn't exist on the Hub")
+        return [{"question": "q", "answer": "#### 1"}]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    assert data.read_rows("someone/math-task", "test") == [{"question": "q", "answer": "#### 1"}]
+    data.read_rows("gsm8k", "train")
+    assert calls == [("someone/math-task", None, "test"), ("openai/gsm8k", "main", "train")]
+    with pytest.raises(SystemExit, match="cannot load 'nobody/missing' \\[train\\]: FileNotFoundError"):
+        data.read_rows("nobody/missing", "train")
+    (tmp_path / "notes.txt").write_text("x")
+    assert data.dataset_error("someone/math-task") is None and data.dataset_error("synthetic") is None
+    assert data.dataset_error(str(tmp_path)) is None  # a local dataset folder, for load_dataset
+    assert data.dataset_error(str(tmp_path / "d.parquet")) == f"no such file: {tmp_path / 'd.parquet'}"
+    assert data.dataset_error("./mine") == "no such file: ./mine"
+    assert "is not .jsonl, .json or .parquet" in data.dataset_error(str(tmp_path / "notes.txt"))
 
 
 def test_long_prompts_dropped_and_counted(tokenizer, capsys):
@@ -120,4 +214,4 @@ def test_real_gsm8k_loads(tokenizer):
         pytest.skip("the shared GSM8K copy is not here")
     prompts = data.load_prompts(path, "train", tokenizer, 4096)
     assert len(prompts) == 7473
-    assert all(p["gold"] is not None for p in prompts)
+    assert all(parse_gsm8k_answer(p["answer"]) is not None for p in prompts)
