@@ -23,6 +23,16 @@ def visible_gpus(environ=os.environ, driver="/proc/driver/nvidia/gpus"):
     return [str(i) for i in range(len(os.listdir(driver)))]
 
 
+def cpu_has_bf16(cpuinfo="/proc/cpuinfo"):
+    """Whether this CPU multiplies in bf16 natively (AVX512-BF16 or AMX), from its flags."""
+    try:
+        with open(cpuinfo) as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
 @dataclass
 class Placement:
     """Where one rank runs and how it talks: what main applies, decided in one place."""
@@ -152,25 +162,44 @@ def weight_plan(path):
     return [(name, p.shape) for name, p in model.named_parameters()]
 
 
-def bucket_plan(plan, element_size, bucket_bytes):
-    """The weight plan cut into consecutive buckets of about bucket_bytes. Learner 0 and
-    the samplers both compute it, so only the flat data travels."""
-    buckets, size = [[]], 0
+def param_key(name):
+    """The last two parts of a parameter's name ('linear_attn.A_log'): the same in Hugging
+    Face's names and vLLM's, whose fused parameters (qkv_proj, gate_up_proj) always take
+    the engine's dtype, so only such unfused leaves can be kept in another dtype."""
+    return ".".join(name.split(".")[-2:])
+
+
+def wire_dtype(name, engine_dtype, kept_dtypes):
+    """The dtype a parameter travels in: the one the engine keeps it in (kept_dtypes maps
+    param_key -> dtype for the exceptions the samplers found in their engine)."""
+    return kept_dtypes.get(param_key(name), engine_dtype)
+
+
+def bucket_plan(plan, dtype_of, bucket_bytes):
+    """The weight plan cut into consecutive buckets of about bucket_bytes, each of one
+    dtype: [(dtype, [(name, shape), ...]), ...]. Learner 0 and the samplers both compute
+    it, so only the flat data travels, with no names or headers."""
+    buckets, size = [], 0
     for name, shape in plan:
-        if size >= bucket_bytes:
-            buckets.append([])
+        dtype = dtype_of(name)
+        if not buckets or size >= bucket_bytes or buckets[-1][0] != dtype:
+            buckets.append((dtype, []))
             size = 0
-        buckets[-1].append((name, shape))
-        size += shape.numel() * element_size
+        buckets[-1][1].append((name, shape))
+        size += shape.numel() * dtype.itemsize
     return buckets
+
+
+def plan_bytes(buckets):
+    return sum(shape.numel() * dtype.itemsize for dtype, bucket in buckets for _, shape in bucket)
 
 
 def send_weights(pg, full_tensor, buckets, device):
     """Learner 0's side: broadcast each bucket, flattened, from rank 0 of the weight
-    group. full_tensor(name) gathers one parameter; every learner calls this in the same
-    order (pg is None on the others, which only join the all-gathers). The next bucket
-    is gathered while the last is on the wire, and at most those two are alive at once."""
-    flats = (torch.cat([full_tensor(name).flatten() for name, _ in bucket]).to(device) for bucket in buckets)
+    group. full_tensor(name, dtype) gathers one parameter; every learner calls this in
+    the same order (pg is None on the others, which only join the all-gathers). The next
+    bucket is gathered while the last is on the wire, and at most those two are alive."""
+    flats = (torch.cat([full_tensor(name, dtype).flatten() for name, _ in bucket]).to(device) for dtype, bucket in buckets)
     in_flight = None
     for flat in flats:
         if pg is None:
@@ -183,20 +212,19 @@ def send_weights(pg, full_tensor, buckets, device):
         in_flight[0].wait()
 
 
-def receive_weights(pg, buckets, dtype, device):
+def receive_weights(pg, buckets, device):
     """A sampler's side: yield (name, tensor) as buckets arrive from rank 0 of the weight
-    group. Only data travels (both sides hold the plan); each bucket's receive is posted
-    before the previous one is loaded."""
+    group. Each bucket's receive is posted before the previous one is loaded."""
 
-    def post(bucket):
+    def post(dtype, bucket):
         flat = torch.empty(sum(shape.numel() for _, shape in bucket), dtype=dtype, device=device)
         return pg.broadcast(flat, 0), flat
 
-    pending = post(buckets[0]) if buckets else None
-    for i, bucket in enumerate(buckets):
+    pending = post(*buckets[0]) if buckets else None
+    for i, (_, bucket) in enumerate(buckets):
         work, flat = pending
         work.wait()
-        pending = post(buckets[i + 1]) if i + 1 < len(buckets) else None
+        pending = post(*buckets[i + 1]) if i + 1 < len(buckets) else None
         offset = 0
         for name, shape in bucket:
             yield name, flat[offset : offset + shape.numel()].view(shape)

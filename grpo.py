@@ -26,7 +26,20 @@ import torch.distributed as dist
 
 import checkpoint
 import metrics
-from comm import bucket_plan, control, die_with_parent, exchange, from_samplers, make_group, placement, visible_gpus, weight_plan
+from comm import (
+    bucket_plan,
+    control,
+    cpu_has_bf16,
+    die_with_parent,
+    exchange,
+    from_samplers,
+    make_group,
+    placement,
+    plan_bytes,
+    visible_gpus,
+    weight_plan,
+    wire_dtype,
+)
 
 HUB_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 
@@ -63,7 +76,13 @@ class Config:
     drop_uniform_groups: bool = False  # DAPO dynamic sampling: drop groups whose rewards are all equal
     overlong: str = "none"  # completions cut at max-new-tokens: none | mask (out of the loss) | penalty (soft, DAPO)
     overlong_buffer: int = 0  # penalty ramp length in tokens; 0: max-new-tokens // 4
-    rewards: str = "accuracy,format"  # weighted sum: 'accuracy=1,format=0.5,my.module:fn=2'
+    rewards: str = "accuracy,format"  # weighted sum: 'accuracy=1,format=0.5,my.module:fn=2'; fn(completion, record)
+    reward_timeout: float = 10.0  # seconds per user-reward call; a slower call scores 0 and is counted
+    reward_workers: int = 1  # processes running user rewards (built-ins run in the sampler); more for CPU-heavy ones
+    max_reward_errors: float = 0.5  # stop when more than this fraction of a step's completions had a reward fail
+    prompt_field: str = "question"  # dataset column with the prompt: a string (the user message) or chat messages
+    messages_field: str = "messages"  # column of chat messages [{role, content}]; where a row has it, it is the prompt
+    dtype: str = "auto"  # compute dtype of learners and samplers: auto | bfloat16 | float32 (see precision)
     seed: int = 0
     out_dir: str = "runs/default"
     sampler_gpu_memory: float = 0.0  # vLLM's GPU memory fraction; 0: 0.8 of a GPU of its own, 0.3 beside a learner
@@ -323,26 +342,35 @@ def eval_due(cfg, step):
 
 
 def run_sampler(cfg, path, index, num_samplers, weight_pg, rollout_pg, device, gpu_memory):
-    from data import load_prompts, shard, step_indices
-    from rewards import parse_reward_spec, score
     from comm import receive_weights
+    from data import load_prompts, shard, step_indices
+    from rewards import check_failures, parse_reward_spec, score_batch
     from sampler import Sampler
 
-    # Data first: a bad dataset stops the job before the engine loads.
+    # Data first: a bad dataset stops the job before the engine loads. Rows are checked
+    # for what the chosen rewards read.
     tokenizer = load_tokenizer(path)
-    prompts = load_prompts(cfg.dataset, cfg.split, tokenizer, cfg.max_prompt_len) if cfg.steps else []
-    eval_prompts = load_prompts(cfg.eval_dataset or cfg.dataset, "test", tokenizer, cfg.max_prompt_len)[: cfg.eval_size or None] if cfg.eval_every or cfg.eval_only else []
-    engine = Sampler(path, cfg.max_prompt_len + cfg.max_new_tokens, cfg.seed, gpu_memory_utilization=gpu_memory, kv_cache_gb=cfg.sampler_kv_cache_gb)
     reward_fns = parse_reward_spec(cfg.rewards)
-    buckets = bucket_plan(weight_plan(path), engine.dtype.itemsize, int(cfg.sync_bucket_mb * 2**20))
+    fields = dict(prompt_field=cfg.prompt_field, messages_field=cfg.messages_field)
+    prompts = load_prompts(cfg.dataset, cfg.split, tokenizer, cfg.max_prompt_len, reward_fns, **fields) if cfg.steps else []
+    eval_prompts = []
+    if cfg.eval_every or cfg.eval_only:
+        eval_prompts = load_prompts(cfg.eval_dataset or cfg.dataset, "test", tokenizer, cfg.max_prompt_len, reward_fns, **fields)
+        eval_prompts = eval_prompts[: cfg.eval_size or None]
+    engine = Sampler(path, cfg.max_prompt_len + cfg.max_new_tokens, cfg.seed, cfg.dtype, gpu_memory, cfg.sampler_kv_cache_gb)
+    # Ready, and what the learners need to cut the same bucket plan: the engine's dtypes.
+    # The learners wait for this before they load their model, so on a shared GPU vLLM
+    # sizes its cache before the learner allocates.
+    exchange(rollout_pg, {"engine_dtype": engine.dtype, "kept_dtypes": engine.kept_dtypes})
+    buckets = bucket_plan(weight_plan(path), lambda name: wire_dtype(name, engine.dtype, engine.kept_dtypes), int(cfg.sync_bucket_mb * 2**20))
 
     def sync(step):
         """Load the weights of `step` (or stop), then evaluate them when an eval is due."""
         if control(weight_pg, 0, device):
             sys.exit(checkpoint.PREEMPTED)  # the learners saved a checkpoint and stop too
-        engine.load_weights(receive_weights(weight_pg, buckets, engine.dtype, device))
+        engine.load_weights(receive_weights(weight_pg, buckets, device))
         if eval_due(cfg, step):
-            exchange(rollout_pg, {"eval": evaluate(engine, eval_prompts[index::num_samplers], cfg, reward_fns)})
+            exchange(rollout_pg, {"eval": evaluate(engine, eval_prompts[index::num_samplers], cfg, reward_fns, step)})
         return step
 
     first = checkpoint.start_step(cfg)
@@ -355,30 +383,33 @@ def run_sampler(cfg, path, index, num_samplers, weight_pg, rollout_pg, device, g
             break
         t1 = time.time()
         batch = shard([prompts[i] for i in step_indices(len(prompts), step, cfg.prompts_per_step, cfg.seed)], index, num_samplers)
-        seed = (cfg.seed * 1_000_003 + step) * 1009 + index
-        rollouts = [Rollout(**c) for c in engine.sample([p["prompt_ids"] for p in batch], cfg.group_size, cfg.max_new_tokens, cfg.temperature, seed)]
+        key = (cfg.seed, step, index)  # seeds every request of this step on this sampler
+        completions = engine.sample([p["prompt_ids"] for p in batch], cfg.group_size, cfg.max_new_tokens, cfg.temperature, key)
+        rollouts = [Rollout(**c) for c in completions]
         t2 = time.time()
-        for i, c in enumerate(rollouts):
-            c.reward, c.parts = score(c.text, batch[i // cfg.group_size]["gold"], reward_fns)
-        report = {"rollouts": rollouts, "weights_step": weights_step, "sample_s": t2 - t1, "reward_s": time.time() - t2, "peak_memory_mb": metrics.peak_memory_mb(device)}
+        records = [batch[i // cfg.group_size] for i in range(len(rollouts))]
+        totals, parts, counts = score_batch([c.text for c in rollouts], records, reward_fns, step, cfg.reward_timeout, cfg.reward_workers)
+        for c, total, p in zip(rollouts, totals, parts):
+            c.reward, c.parts = total, p
+        # A broken reward must not train the model on zeros for hours: past the fraction,
+        # this sampler stops, and with it the job.
+        check_failures(counts, cfg.max_reward_errors, step)
+        report = {"rollouts": rollouts, "weights_step": weights_step, "reward_counts": counts, "sample_s": t2 - t1}
+        report.update(reward_s=time.time() - t2, peak_memory_mb=metrics.peak_memory_mb(device))
         exchange(rollout_pg, report)
         if not syncs_before_sampling(cfg, step, first):
             weights_step = sync(step)
 
 
-def evaluate(engine, prompts, cfg, reward_fns):
-    """Greedy completions of this sampler's share of the held-out prompts: sums, so the
-    learner can add up the samplers' shares."""
-    from rewards import score
+def evaluate(engine, prompts, cfg, reward_fns, step):
+    """Greedy completions of this sampler's share of the held-out prompts: sums of every
+    reward and of the lengths, so the learner can add up the samplers' shares."""
+    from rewards import score_batch
 
-    completions = engine.sample([p["prompt_ids"] for p in prompts], 1, cfg.max_new_tokens, 0.0, cfg.seed)
-    parts = [score(c["text"], p["gold"], reward_fns)[1] for c, p in zip(completions, prompts)]
-    return {
-        "n": len(prompts),
-        "accuracy": sum(p.get("accuracy", 0.0) for p in parts),
-        "format": sum(p.get("format", 0.0) for p in parts),
-        "length": sum(len(c["token_ids"]) for c in completions),
-    }
+    completions = engine.sample([p["prompt_ids"] for p in prompts], 1, cfg.max_new_tokens, 0.0, (cfg.seed, "eval"))
+    totals, parts, _ = score_batch([c["text"] for c in completions], prompts, reward_fns, step, cfg.reward_timeout, cfg.reward_workers)
+    sums = {name: sum(p[name] for p in parts) for name, _, _ in reward_fns}
+    return {"n": len(prompts), "length": sum(len(c["token_ids"]) for c in completions), "reward": sum(totals), **sums}
 
 
 def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
@@ -389,16 +420,17 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
     from learner import Learner
 
     started = time.time()
+    engine = from_samplers(rollout_pg)[0]  # the samplers are ready; their engine's dtypes
     mesh = init_device_mesh(device.type, (cfg.learners,))
-    learner = Learner(path, mesh, device, cfg.lr, cfg.weight_decay, cfg.gradient_checkpointing, reference=cfg.beta > 0, warmup_steps=cfg.warmup_steps)
+    learner = Learner(path, mesh, device, cfg.lr, cfg.weight_decay, cfg.gradient_checkpointing, reference=cfg.beta > 0, warmup_steps=cfg.warmup_steps, compute_dtype=getattr(torch, cfg.dtype))
     tokenizer = load_tokenizer(path) if rank == 0 else None  # saved beside every checkpoint
     first = checkpoint.start_step(cfg)
     if cfg.resume:
         checkpoint.load_checkpoint(learner, cfg.resume)
-    sync_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    buckets = bucket_plan(weight_plan(path), sync_dtype.itemsize, int(cfg.sync_bucket_mb * 2**20))
+    buckets = bucket_plan(weight_plan(path), lambda name: wire_dtype(name, engine["engine_dtype"], engine["kept_dtypes"]), int(cfg.sync_bucket_mb * 2**20))
+    sync_mb = plan_bytes(buckets) / 2**20
     # Only rank 0 writes metrics, so only it measures the yardstick.
-    memcpy_s = metrics.memcpy_seconds(sum(shape.numel() for b in buckets for _, shape in b) * sync_dtype.itemsize, weight_device) if rank == 0 else 0.0
+    memcpy_s = metrics.memcpy_seconds(plan_bytes(buckets), weight_device) if rank == 0 else 0.0
     log = metrics.open_log(os.path.join(cfg.out_dir, "metrics.jsonl"), first) if rank == 0 else None
     samples_log = metrics.open_log(os.path.join(cfg.out_dir, "samples.jsonl"), first) if rank == 0 else None
     bar = tqdm(initial=first, total=cfg.steps, desc="grpo", disable=rank != 0)
@@ -422,8 +454,8 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         t0 = time.time()
         if weight_pg is not None:
             control(weight_pg, 0, weight_device)
-        send_weights(weight_pg, lambda name: learner.full_tensor(name, sync_dtype), buckets, weight_device)
-        timing = {"sync_s": time.time() - t0, "sync_memcpy_s": memcpy_s}
+        send_weights(weight_pg, learner.full_tensor, buckets, weight_device)
+        timing = {"sync_s": time.time() - t0, "sync_memcpy_s": memcpy_s, "sync_mb": sync_mb}
         if not eval_due(cfg, step):
             return timing
         t1 = time.time()
@@ -435,7 +467,7 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         before = syncs_before_sampling(cfg, step, first)
         extra = sync(step, row) if before else {}
         if step == cfg.steps:
-            if rank == 0 and "eval_accuracy" in extra:
+            if rank == 0 and "eval_length" in extra:
                 write_row({"step": step, **extra})
             break
         t1 = time.time()
@@ -512,9 +544,22 @@ def fail(message):
     sys.exit(2)
 
 
-def resolve(cfg, world_size, has_gpu):
+def precision(dtype, has_gpu, cpu_bf16):
+    """The one compute dtype of a run, for both devices: 'auto' is bfloat16 where the
+    hardware multiplies in bf16 natively (CUDA GPUs; CPUs with AVX512-BF16 or AMX), else
+    float32. From it: FSDP2 keeps float32 master weights and AdamW state, computes in it
+    and reduces gradients in float32; vLLM runs in it; each parameter travels in the
+    dtype the engine keeps it in (comm.wire_dtype); log-probs and the loss are float32
+    always (learner.token_logprobs)."""
+    if dtype == "auto":
+        return "bfloat16" if has_gpu or cpu_bf16 else "float32"
+    return dtype
+
+
+def resolve(cfg, world_size, has_gpu, cpu_bf16=False):
     """Fill the 'auto' fields and check every flag against the world, so a config that
     cannot work stops here with the flag's name, before any model loads."""
+    from data import dataset_error
     from rewards import parse_reward_spec
 
     if cfg.model == "auto":
@@ -527,6 +572,9 @@ def resolve(cfg, world_size, has_gpu):
     cfg.lr = cfg.lr or (1e-3 if tiny else 1e-6)
     cfg.epsilon_high = cfg.epsilon_high or cfg.epsilon
     cfg.overlong_buffer = cfg.overlong_buffer or cfg.max_new_tokens // 4
+    if cfg.dtype not in ("auto", "bfloat16", "float32"):
+        fail(f"--dtype must be one of auto, bfloat16, float32, got {cfg.dtype!r}")
+    cfg.dtype = precision(cfg.dtype, has_gpu, cpu_bf16)
     if cfg.eval_only:
         cfg.steps = 0
     samplers = world_size - cfg.learners
@@ -562,8 +610,17 @@ def resolve(cfg, world_size, has_gpu):
         load_objective(cfg.objective)
     except ValueError as e:
         fail(f"--objective: {e}")
-    if cfg.dataset not in ("synthetic", "gsm8k", "openai/gsm8k") and not os.path.exists(cfg.dataset):
-        fail(f"--dataset: no such file: {cfg.dataset}")
+    for name, dataset in [("dataset", cfg.dataset), ("eval-dataset", cfg.eval_dataset)]:
+        if dataset and (error := dataset_error(dataset)):
+            fail(f"--{name}: {error}")
+    if cfg.reward_timeout <= 0:
+        fail(f"--reward-timeout must be > 0 seconds (a hung reward must not stall a sampler), got {cfg.reward_timeout}")
+    if cfg.reward_workers < 1:
+        fail(f"--reward-workers must be at least 1, got {cfg.reward_workers}")
+    if not 0 <= cfg.max_reward_errors <= 1:
+        fail(f"--max-reward-errors is a fraction in [0, 1], got {cfg.max_reward_errors}")
+    if not cfg.prompt_field:
+        fail("--prompt-field must name a dataset column")
     if not tiny and "/" not in cfg.model and not os.path.isdir(cfg.model):
         fail(f"--model: no such folder or hub name: {cfg.model}")
     try:
@@ -597,7 +654,7 @@ def main(argv=None):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     gpus = visible_gpus()
-    cfg = resolve(cfg, world, bool(gpus))
+    cfg = resolve(cfg, world, bool(gpus), cpu_has_bf16())
     try:
         place = placement(rank, local_rank, local_world, world, cfg.learners, gpus, cfg.sampler_gpu_memory)
     except ValueError as e:

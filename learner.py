@@ -11,14 +11,18 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 
-def load_sharded(model_path, mesh, device, gradient_checkpointing=False):
-    """The Hugging Face model with each transformer block and the root under FSDP2."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+def load_sharded(model_path, mesh, device, compute_dtype, gradient_checkpointing=False, frozen=False):
+    """The Hugging Face model with each transformer block and the root under FSDP2.
+    frozen (the reference): stored in compute_dtype itself with no gradients, since a
+    model that never steps needs no float32 master copy (half the bytes in bf16)."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=compute_dtype if frozen else torch.float32).to(device)
+    if frozen:
+        model.requires_grad_(False)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    # Master weights stay float32; on GPU the forward runs in bf16 and gradients
-    # are reduced in float32.
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else MixedPrecisionPolicy()
+    # Master weights and AdamW's state stay float32; the forward and backward run in
+    # compute_dtype, and gradients are reduced in float32.
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     blocks = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():
         if type(module).__name__ in blocks:
@@ -27,10 +31,126 @@ def load_sharded(model_path, mesh, device, gradient_checkpointing=False):
     return model
 
 
+def token_logprobs(model, ids, attention, temperature, chunk=1024):
+    """log p(token t+1 | tokens <= t) at the sampling temperature [B, T-1], and the
+    entropy of each next-token distribution [B, T-1], for a plain or an FSDP2 model.
+    chunk > 0: the output projection runs `chunk` positions at a time, so the [B, T-1, V]
+    logits and their gradient never exist whole; 0: dense, all positions at once."""
+    if not chunk:
+        logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1].float()  # [B, T-1, V]
+        if temperature > 0:
+            logits = logits / temperature
+        logz = torch.logsumexp(logits, dim=-1)  # [B, T-1]
+        logp = logits.gather(-1, ids[:, 1:, None]).squeeze(-1) - logz  # [B, T-1]
+        with torch.no_grad():
+            entropy = logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # [B, T-1]
+        return logp, entropy
+    hidden, head = final_hidden(model, ids, attention)  # [B, T, H]
+    B, T, H = hidden.shape
+    flat = hidden[:, :-1].reshape(-1, H)  # [B*(T-1), H]
+    targets = ids[:, 1:].reshape(-1)  # [B*(T-1)]
+    logp, entropy = ChunkedTokenLogprobs.apply(flat, head.weight, head.bias, targets, temperature, chunk)  # [B*(T-1)] each
+    return logp.view(B, T - 1), entropy.view(B, T - 1)
+
+
+def final_hidden(model, ids, attention):
+    """The input of the output projection at every position [B, T, H], and that
+    projection (the lm_head, which tied embeddings share with embed_tokens), from one
+    call of the whole model whose head runs on no position. Calling the whole model, not
+    its inner decoder, keeps FSDP2's root hooks: they unshard the root's parameters, the
+    head's among them, and the root does not reshard after forward, so the head's
+    weight stays whole through the backward, where the final callback reduce-scatters
+    its gradient like any other."""
+    head = model.get_output_embeddings()
+    if any(getattr(c, "final_logit_softcapping", None) or getattr(c, "logit_scale", None) for c in (model.config, model.config.get_text_config())):
+        # The logits are then not head(hidden), and only the dense path is right.
+        raise ValueError(f"{type(model).__name__} transforms its logits after the output projection: use --logprob-chunk 0")
+    captured = []
+
+    def skip_head(module, args):
+        captured.append(args[0])  # [B, T, H]
+        return (args[0][..., :0, :],)  # the head then makes [B, 0, V] logits: none
+
+    handle = head.register_forward_pre_hook(skip_head)
+    try:
+        model(input_ids=ids, attention_mask=attention, use_cache=False)
+    finally:
+        handle.remove()
+    if isinstance(head.weight, DTensor):
+        raise RuntimeError("the output projection is sharded after the forward: chunked log-probs need it whole (use --logprob-chunk 0)")
+    return captured[0], head
+
+
+def chunk_logits(hidden, weight, bias, temperature):
+    """Temperature-scaled float32 logits of a few positions [C, V], by the same ops as the
+    dense path (the head's linear in its dtype, then float32, then / temperature), so
+    that they are the dense path's own numbers."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()  # [C, V]
+    if temperature > 0:
+        logits = logits / temperature
+    return logits
+
+
+class ChunkedTokenLogprobs(torch.autograd.Function):
+    """log p(target) [N] and the entropy [N] of softmax(chunk_logits(hidden)), computed
+    `chunk` positions at a time: at most a few [chunk, V] float32 tensors are alive, never
+    the [N, V] logits or their gradient. The forward keeps only hidden [N, H] and the log
+    normaliser [N]; the backward recomputes each chunk's logits (one matmul more than the
+    dense path's three) and turns them into that chunk's gradient in place. The entropy
+    is a metric: it has no gradient, as in the dense path."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk):
+        n = hidden.shape[0]
+        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
+        entropy = torch.empty_like(logp)  # [N]
+        logz = torch.empty_like(logp)  # [N]
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            logits = chunk_logits(hidden[s:e], weight, bias, temperature)  # [C, V]
+            logz[s:e] = torch.logsumexp(logits, dim=-1)  # the dense path's op, for the same numbers
+            logp[s:e] = logits.gather(-1, targets[s:e, None]).squeeze(-1) - logz[s:e]
+            probs = (logits - logz[s:e, None]).exp_()  # [C, V]
+            entropy[s:e] = logz[s:e] - probs.mul_(logits).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, logz)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets, logz = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None  # [N, H]
+        # Accumulated in the weight's dtype, as the dense path's one matmul leaves it.
+        grad_weight = torch.zeros_like(weight) if need_weight else None  # [V, H]
+        grad_bias = torch.zeros_like(bias) if need_bias else None  # [V]
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            e = min(s + ctx.chunk, hidden.shape[0])
+            g = grad_logp[s:e, None].float()  # [C, 1]
+            # d logp / d logits = onehot(target) - softmax, times the incoming gradient,
+            # built in place in the recomputed logits' storage.
+            grad_logits = chunk_logits(hidden[s:e], weight, bias, ctx.temperature)  # [C, V]
+            grad_logits.sub_(logz[s:e, None]).exp_().mul_(-g)
+            grad_logits.scatter_add_(-1, targets[s:e, None], g)
+            if ctx.temperature > 0:
+                grad_logits.div_(ctx.temperature)
+            grad_logits = grad_logits.to(weight.dtype)  # [C, V], as the dense path casts it back
+            if need_hidden:
+                grad_hidden[s:e] = grad_logits @ weight  # [C, H]
+            if need_weight:
+                grad_weight.addmm_(grad_logits.t(), hidden[s:e])  # [V, H]
+            if need_bias:
+                grad_bias += grad_logits.sum(0)
+        return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
 class Learner:
-    def __init__(self, model_path, mesh, device, lr, weight_decay=0.0, gradient_checkpointing=False, reference=False, warmup_steps=0):
+    def __init__(self, model_path, mesh, device, lr, weight_decay=0.0, gradient_checkpointing=False, reference=False, warmup_steps=0, compute_dtype=torch.float32, logprob_chunk=1024):
         self.device = device
-        self.model = load_sharded(model_path, mesh, device, gradient_checkpointing)
+        # Positions per output-projection chunk in token_logprobs; 0: the dense path.
+        self.logprob_chunk = logprob_chunk
+        self.model = load_sharded(model_path, mesh, device, compute_dtype, gradient_checkpointing)
         # Losses are normalised by whole-step counts already, so the learners' gradients
         # must be summed; FSDP averages them, so each backward is scaled by the count.
         self.grad_scale = mesh.size()
@@ -39,7 +159,7 @@ class Learner:
         # full lr, which is enough to wreck a small policy.
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / (warmup_steps + 1)))
         # A frozen copy of the initial weights for the KL term, sharded like the policy.
-        self.reference = load_sharded(model_path, mesh, device).requires_grad_(False) if reference else None
+        self.reference = load_sharded(model_path, mesh, device, compute_dtype, frozen=True) if reference else None
         self.named_params = dict(self.model.named_parameters())
         config = self.model.config
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
@@ -64,15 +184,9 @@ class Learner:
 
     def token_logprobs(self, model, ids, attention, temperature):
         """log p(token t+1 | tokens <= t) at the sampling temperature [B, T-1], and the
-        entropy of each next-token distribution [B, T-1]."""
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()  # [B, T-1, V]
-        if temperature > 0:
-            logits = logits / temperature
-        logz = torch.logsumexp(logits, dim=-1)
-        logp = logits.gather(-1, ids[:, 1:, None]).squeeze(-1) - logz
-        with torch.no_grad():
-            entropy = logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-        return logp, entropy
+        entropy of each next-token distribution [B, T-1]: chunked (the default), or
+        dense with logprob_chunk 0."""
+        return token_logprobs(model, ids, attention, temperature, self.logprob_chunk)
 
     def idle_batch(self):
         """What a learner with no micro-batch left runs: it must still join each

@@ -14,10 +14,11 @@ import torch.distributed as dist
 def summary(cfg, metrics_path, wall_s):
     rows = [json.loads(line) for line in open(metrics_path)]
     train = [r for r in rows if "reward_mean" in r]
-    evals = [r for r in rows if "eval_accuracy" in r]
+    evals = [r for r in rows if "eval_length" in r]
     lines = [f"run finished: {len(train)} steps in {wall_s:.0f} s; metrics in {metrics_path}, policy in {os.path.join(cfg.out_dir, 'final')}"]
     if evals:
-        lines.append(f"eval accuracy: {evals[0]['eval_accuracy']:.3f} at step {evals[0]['step']} -> {evals[-1]['eval_accuracy']:.3f} at step {evals[-1]['step']}")
+        key = "eval_accuracy" if "eval_accuracy" in evals[0] else "eval_reward"
+        lines.append(f"{key.replace('_', ' ')}: {evals[0][key]:.3f} at step {evals[0]['step']} -> {evals[-1][key]:.3f} at step {evals[-1]['step']}")
     if train:
         seconds = sum(r["step_s"] for r in train)
         tokens = sum(r["tokens_sampled"] for r in train)
@@ -82,6 +83,8 @@ def step_metrics(step, rollouts, reports, sums, token_sums, maxima, grad_norm, l
         "completion_len": lengths.mean().item(),
         "completion_len_max": lengths.max().item(),
         "truncated_frac": sum(c.truncated for c in rollouts) / len(rollouts),
+        "reward_errors": sum(r["reward_counts"]["reward_errors"] for r in reports),
+        "reward_timeouts": sum(r["reward_counts"]["reward_timeouts"] for r in reports),
         "loss": sums["loss"],
         "grad_norm": grad_norm,
         "lr": lr,
@@ -116,12 +119,13 @@ def plot(out_dir):
         return None
     rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
     train = [r for r in rows if "reward_mean" in r]
-    evals = [r for r in rows if "eval_accuracy" in r]
+    evals = [r for r in rows if "eval_length" in r]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     steps = [r["step"] for r in train]
     left.plot(steps, [r["reward_mean"] for r in train], label="reward")
     left.plot(steps, [r["accuracy"] for r in train], label="train accuracy")
-    left.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-", label="eval accuracy")
+    key = "eval_accuracy" if evals and "eval_accuracy" in evals[0] else "eval_reward"
+    left.plot([r["step"] for r in evals], [r.get(key, 0.0) for r in evals], "o-", label=key.replace("_", " "))
     left.set_xlabel("step")
     left.legend()
     for phase in ("sync_s", "sample_s", "reward_s", "wait_s", "train_s"):
@@ -177,6 +181,6 @@ def merge_evals(reports):
     """One eval from the samplers' shares (each sampler sends one after every due sync)."""
     evals = [r["eval"] for r in reports]
     n = max(1, sum(e["n"] for e in evals))
-    return {f"eval_{k}": sum(e[k] for e in evals) / n for k in ("accuracy", "format", "length")}
+    return {f"eval_{k}": sum(e[k] for e in evals) / n for k in evals[0] if k != "n"}
 
 

@@ -49,19 +49,19 @@ def sampler_against_bare_vllm(grpo_args, repeats=5):
     from vllm.inputs import TokensPrompt
 
     from data import load_prompts
-    from comm import visible_gpus
+    from comm import cpu_has_bf16, visible_gpus
     from grpo import model_path, parse_config, resolve
     from sampler import Sampler
 
-    cfg = resolve(parse_config([*grpo_args, "--overwrite"]), 2, bool(visible_gpus()))
-    engine = Sampler(model_path(cfg, 0), cfg.max_prompt_len + cfg.max_new_tokens, cfg.seed, cfg.sampler_gpu_memory or 0.3, cfg.sampler_kv_cache_gb)
+    cfg = resolve(parse_config([*grpo_args, "--overwrite"]), 2, bool(visible_gpus()), cpu_has_bf16())
+    engine = Sampler(model_path(cfg, 0), cfg.max_prompt_len + cfg.max_new_tokens, cfg.seed, cfg.dtype, cfg.sampler_gpu_memory or 0.3, cfg.sampler_kv_cache_gb)
     prompts = [p["prompt_ids"] for p in load_prompts(cfg.dataset, cfg.split, engine.llm.get_tokenizer(), cfg.max_prompt_len)[: cfg.prompts_per_step]]
     G, max_tokens = cfg.group_size, cfg.max_new_tokens
     params = SamplingParams(n=G, max_tokens=max_tokens, temperature=cfg.temperature, logprobs=0)
     wrapped, bare = [], []
     for i in range(repeats + 1):
         t = time.perf_counter()
-        tokens = sum(len(c["token_ids"]) for c in engine.sample(prompts, G, max_tokens, cfg.temperature, seed=i))
+        tokens = sum(len(c["token_ids"]) for c in engine.sample(prompts, G, max_tokens, cfg.temperature, key=(i,)))
         wrapped.append(tokens / (time.perf_counter() - t))
         t = time.perf_counter()
         outputs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)

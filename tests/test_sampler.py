@@ -17,7 +17,7 @@ from sampler import Sampler
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    return Sampler(tiny_model, 512, seed=0)
+    return Sampler(tiny_model, 512, seed=0, dtype="float32")
 
 
 def hf_logprobs(model, completions):
@@ -44,15 +44,15 @@ def prompts(engine, n=4):
 
 def test_sampling_shapes_and_determinism(engine):
     batch = prompts(engine)
-    a = engine.sample(batch, 3, 16, 1.0, seed=7)
-    b = engine.sample(batch, 3, 16, 1.0, seed=7)
-    c = engine.sample(batch, 3, 16, 1.0, seed=8)
+    a = engine.sample(batch, 3, 16, 1.0, key=(7,))
+    b = engine.sample(batch, 3, 16, 1.0, key=(7,))
+    c = engine.sample(batch, 3, 16, 1.0, key=(8,))
     assert len(a) == 12 and all(x["prompt_ids"] == batch[i // 3] for i, x in enumerate(a))
     assert all(len(x["token_ids"]) == len(x["sampler_logprobs"]) <= 16 for x in a)
     assert [x["token_ids"] for x in a] == [x["token_ids"] for x in b]
     assert [x["token_ids"] for x in a] != [x["token_ids"] for x in c]
-    greedy = engine.sample(batch, 1, 16, 0.0, seed=0)
-    assert [x["token_ids"] for x in greedy] == [x["token_ids"] for x in engine.sample(batch, 1, 16, 0.0, seed=1)]
+    greedy = engine.sample(batch, 1, 16, 0.0, key=(0,))
+    assert [x["token_ids"] for x in greedy] == [x["token_ids"] for x in engine.sample(batch, 1, 16, 0.0, key=(1,))]
 
 
 SENDER = """
@@ -66,8 +66,8 @@ model = perturbed(sys.argv[1])
 store = dist.TCPStore("127.0.0.1", int(sys.argv[2]), is_master=False, timeout=timedelta(seconds=120))
 pg = dist.ProcessGroupGloo(dist.PrefixStore("w", store), 0, 2, timedelta(seconds=120))
 params = dict(model.named_parameters())
-buckets = bucket_plan(weight_plan(sys.argv[1]), 4, int(sys.argv[4]))
-send_weights(pg, lambda name: params[name].detach(), buckets, torch.device("cpu"))
+buckets = bucket_plan(weight_plan(sys.argv[1]), lambda name: torch.float32, int(sys.argv[4]))
+send_weights(pg, lambda name, dtype: params[name].detach().to(dtype), buckets, torch.device("cpu"))
 print("BUCKETS", len(buckets), flush=True)
 # Skip interpreter teardown: destroying a bare gloo group there can abort the process
 # ("terminate called without an active exception", seen once in CI) after its work is done.
@@ -94,7 +94,7 @@ def test_weights_sent_over_a_real_group_load_in_place(engine, tiny_model):
 
     model = perturbed(tiny_model)
     batch = prompts(engine)
-    stale = engine.sample(batch, 2, 16, 1.0, seed=3)
+    stale = engine.sample(batch, 2, 16, 1.0, key=(3,))
     assert max_gap(model, stale) > 1e-2  # the perturbation is visible
 
     port = free_port()
@@ -102,11 +102,12 @@ def test_weights_sent_over_a_real_group_load_in_place(engine, tiny_model):
     bucket_bytes = 200_000  # several buckets, each holding several tensors
     sender = subprocess.Popen([sys.executable, "-c", SENDER, tiny_model, str(port), ROOT, str(bucket_bytes)], cwd=os.path.join(ROOT, "tests"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pg = dist.ProcessGroupGloo(dist.PrefixStore("w", store), 1, 2, timedelta(seconds=120))
-    engine.load_weights(receive_weights(pg, bucket_plan(weight_plan(tiny_model), 4, bucket_bytes), engine.dtype, torch.device("cpu")))
+    buckets = bucket_plan(weight_plan(tiny_model), lambda name: torch.float32, bucket_bytes)
+    engine.load_weights(receive_weights(pg, buckets, torch.device("cpu")))
     out, err = sender.communicate(timeout=120)
     assert sender.returncode == 0, err[-3000:]
     assert int(out.split("BUCKETS")[1]) > 2
-    fresh = engine.sample(batch, 2, 16, 1.0, seed=3)
+    fresh = engine.sample(batch, 2, 16, 1.0, key=(3,))
     gap = max_gap(model, fresh)
     print(f"sampler vs transformers log-prob max abs diff after sync: {gap:.2e}")
     assert gap < 1e-4
