@@ -86,13 +86,13 @@ def perturbed(path):
     return model
 
 
-def test_weights_sent_over_a_real_group_load_in_place(engine, tiny_model):
+def sync_and_compare(engine, model_path):
     """Perturb the weights, broadcast them in buckets over a real gloo group from another
-    process, load them into the running engine, and compare the engine's log-probs of
-    its own samples with transformers on the perturbed weights."""
+    process, load them into the running engine, and return the largest gap between the
+    engine's log-probs of its own samples and transformers' on the perturbed weights."""
     from comm import bucket_plan, weight_plan
 
-    model = perturbed(tiny_model)
+    model = perturbed(model_path)
     batch = prompts(engine)
     stale = engine.sample(batch, 2, 16, 1.0, key=(3,))
     assert max_gap(model, stale) > 1e-2  # the perturbation is visible
@@ -100,14 +100,39 @@ def test_weights_sent_over_a_real_group_load_in_place(engine, tiny_model):
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
     bucket_bytes = 200_000  # several buckets, each holding several tensors
-    sender = subprocess.Popen([sys.executable, "-c", SENDER, tiny_model, str(port), ROOT, str(bucket_bytes)], cwd=os.path.join(ROOT, "tests"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = [sys.executable, "-c", SENDER, model_path, str(port), ROOT, str(bucket_bytes)]
+    sender = subprocess.Popen(cmd, cwd=os.path.join(ROOT, "tests"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pg = dist.ProcessGroupGloo(dist.PrefixStore("w", store), 1, 2, timedelta(seconds=120))
-    buckets = bucket_plan(weight_plan(tiny_model), lambda name: torch.float32, bucket_bytes)
+    buckets = bucket_plan(weight_plan(model_path), lambda name: torch.float32, bucket_bytes)
     engine.load_weights(receive_weights(pg, buckets, torch.device("cpu")))
     out, err = sender.communicate(timeout=120)
     assert sender.returncode == 0, err[-3000:]
     assert int(out.split("BUCKETS")[1]) > 2
-    fresh = engine.sample(batch, 2, 16, 1.0, key=(3,))
-    gap = max_gap(model, fresh)
+    return max_gap(model, engine.sample(batch, 2, 16, 1.0, key=(3,)))
+
+
+def test_weights_sent_over_a_real_group_load_in_place(engine, tiny_model):
+    gap = sync_and_compare(engine, tiny_model)
     print(f"sampler vs transformers log-prob max abs diff after sync: {gap:.2e}")
+    assert gap < 1e-4
+
+
+def test_tied_embeddings_sync_the_output_layer_too(tmp_path):
+    """Tied embeddings (Qwen2.5-0.5B has them): named_parameters() holds no lm_head.weight,
+    and vLLM's CPU build keeps a packed copy of the output layer that only a sent
+    lm_head.weight rebuilds. Without it the engine would sample from its first head."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import tiny
+
+    tokenizer = tiny.build_tiny_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    path = str(tmp_path / "tied")
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    engine = Sampler(path, 512, seed=0, dtype="float32")
+    assert engine.tied
+    gap = sync_and_compare(engine, path)
+    print(f"tied model: sampler vs transformers log-prob max abs diff after sync: {gap:.2e}")
     assert gap < 1e-4

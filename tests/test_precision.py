@@ -1,0 +1,83 @@
+"""One precision policy for both devices: the table of what --dtype resolves to, the
+per-parameter wire dtypes, and the learner really computing in bf16 over float32 master
+weights (a real FSDP2 learner on the tiny model)."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from comm import bucket_plan, cpu_has_bf16, plan_bytes, wire_dtype
+from grpo import precision
+
+
+@pytest.mark.parametrize(
+    "flag, has_gpu, cpu_bf16, expected",
+    [
+        ("auto", True, False, "bfloat16"),  # CUDA GPUs compute in bf16
+        ("auto", False, True, "bfloat16"),  # CPUs with AVX512-BF16 or AMX
+        ("auto", False, False, "float32"),  # other CPUs: bf16 would be emulated, slower
+        ("float32", True, True, "float32"),  # an explicit choice wins everywhere
+        ("bfloat16", False, False, "bfloat16"),
+    ],
+)
+def test_precision_table(flag, has_gpu, cpu_bf16, expected):
+    assert precision(flag, has_gpu, cpu_bf16) == expected
+
+
+def test_cpu_bf16_is_read_from_the_flags(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16\n")
+    assert cpu_has_bf16(str(info))
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f amx_bf16 amx_tile\n")
+    assert cpu_has_bf16(str(info))
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f\n")
+    assert not cpu_has_bf16(str(info))
+    assert not cpu_has_bf16(str(tmp_path / "absent"))
+
+
+def test_parameters_kept_in_float32_travel_in_float32():
+    """A gated delta net's A_log stays float32 in a bf16 engine: the bucket plan gives it
+    a float32 bucket of its own, and the rest travels in bf16."""
+    plan = [(f"model.layers.{i}.{leaf}", torch.Size([4, 4])) for i in range(2) for leaf in ("linear_attn.A_log", "linear_attn.in_proj.weight", "mlp.up_proj.weight")]
+    kept = {"linear_attn.A_log": torch.float32}
+    buckets = bucket_plan(plan, lambda name: wire_dtype(name, torch.bfloat16, kept), bucket_bytes=10**9)
+    assert [(d, [n.split(".", 3)[-1] for n, _ in b]) for d, b in buckets] == [
+        (torch.float32, ["linear_attn.A_log"]),
+        (torch.bfloat16, ["linear_attn.in_proj.weight", "mlp.up_proj.weight"]),
+        (torch.float32, ["linear_attn.A_log"]),
+        (torch.bfloat16, ["linear_attn.in_proj.weight", "mlp.up_proj.weight"]),
+    ]
+    assert plan_bytes(buckets) == 2 * 16 * 4 + 4 * 16 * 2
+    # Buckets still close at the byte budget within one dtype.
+    assert len(bucket_plan(plan, lambda name: torch.bfloat16, bucket_bytes=32)) == 6
+
+
+@pytest.fixture
+def gloo_world():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(__import__("conftest").free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_the_learner_computes_in_bf16_over_float32_master_weights(tiny_model, gloo_world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from learner import Learner
+
+    mesh = init_device_mesh("cpu", (1,))
+    learner = Learner(tiny_model, mesh, torch.device("cpu"), lr=1e-3, compute_dtype=torch.bfloat16)
+    seen = []
+    learner.model.model.layers[0].mlp.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    logp, entropy = learner.token_logprobs(learner.model, ids, torch.ones_like(ids), 1.0)
+    assert seen == [torch.bfloat16]  # the blocks compute in bf16
+    assert logp.dtype == torch.float32 and entropy.dtype == torch.float32  # the log-prob maths do not
+    (-logp.sum()).backward()
+    learner.clip_grad_and_step(1.0)
+    assert {p.dtype for p in learner.model.parameters()} == {torch.float32}  # master weights
+    assert {p.grad is None for p in learner.model.parameters()} == {True}
+    states = [v for s in learner.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    assert states and {v.dtype for v in states} == {torch.float32}  # AdamW's moments
