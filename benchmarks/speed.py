@@ -11,8 +11,12 @@
   - sampled and trained tokens/s, and peak memory per role.
 
     python benchmarks/speed.py [--steps 30] [--model PATH_OR_HUB_NAME] [other grpo.py flags]
+    python benchmarks/speed.py --precision [--steps 6]
 
 Without --model it runs the tiny CPU default (or the GPU default on a GPU machine).
+--precision compares bf16 with float32 on a random-init 22.8M Qwen2 (512 dims x 8 layers,
+the tiny tokenizer) at 16 prompts x 8 x 128 new tokens: step, train and sample time, in
+the same run, for 2 learners + 1 sampler and for 1 + 1.
 """
 
 import argparse
@@ -70,11 +74,52 @@ def sampler_against_bare_vllm(grpo_args, repeats=5):
     return statistics.median(wrapped[1:]), statistics.median(bare[1:])
 
 
+def build_mid_model(path):
+    """The 22.8M random-init Qwen2 of the precision comparison, with the tiny tokenizer."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import tiny
+
+    tokenizer = tiny.build_tiny_tokenizer()
+    shape = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2)
+    config = Qwen2Config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **shape)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def precision_comparison(steps, extra):
+    """bf16 against float32, and 2 learners + 1 sampler against 1 + 1, in one run."""
+    global SKIP
+    SKIP = 1
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_mid_model(os.path.join(tmp, "mid"))
+        shapes = ["--model", model, "--dataset", "synthetic", "--prompts-per-step", "16", "--group-size", "8", "--max-new-tokens", "128"]
+        shapes += ["--steps", str(steps), "--beta", "0", *extra]
+        results = {}
+        for dtype in ("float32", "bfloat16"):
+            for nproc, learners in ((3, 2), (2, 1)):
+                os.environ.update(NPROC=str(nproc), LEARNERS=str(learners))
+                rows = run(os.path.join(tmp, f"{dtype}-{nproc}"), [*shapes, "--dtype", dtype])
+                results[dtype, learners] = {k: median(rows, k) for k in ("step_s", "train_s", "sample_s")}
+                print(f"{dtype:9s} {learners} learner(s) + 1 sampler: " + ", ".join(f"{k} {v:.2f}" for k, v in results[dtype, learners].items()), flush=True)
+    for learners in (2, 1):
+        f32, b16 = results["float32", learners], results["bfloat16", learners]
+        print(f"{learners}+1: bf16 speed-up: train {f32['train_s'] / b16['train_s']:.2f}x, sample {f32['sample_s'] / b16['sample_s']:.2f}x, step {f32['step_s'] / b16['step_s']:.2f}x")
+    best = min((2, 1), key=lambda n: results["bfloat16", n]["step_s"])
+    print(f"SUMMARY bf16 train speed-up (2+1) {results['float32', 2]['train_s'] / results['bfloat16', 2]['train_s']:.2f}x (target >= 2.5) | faster bf16 layout: {best}+1")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--model", default="")
+    parser.add_argument("--precision", action="store_true")
     args, extra = parser.parse_known_args()
+    if args.precision:
+        return precision_comparison(min(args.steps, 6), extra)
     common = ["--steps", str(args.steps), *(["--model", args.model] if args.model else []), *extra]
     with tempfile.TemporaryDirectory() as tmp:
         sync = run(os.path.join(tmp, "s0"), [*common, "--max-staleness", "0"])
