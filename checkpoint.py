@@ -5,11 +5,14 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 
 import torch
 import torch.distributed as dist
+
+import console
 
 PREEMPTED = 75  # exit status of every rank after a SIGTERM/SIGINT and a clean checkpoint
 STOP = {"at": None}  # when this rank was first signalled
@@ -23,6 +26,15 @@ def on_signal(signum, frame):
         STOP["at"] = time.time()
     elif time.time() - STOP["at"] > 1.0:
         os._exit(PREEMPTED)
+
+
+def exit_preempted():
+    """Exit PREEMPTED. Further signals are ignored from here: the exit tears down vLLM or
+    the process groups, and a repeated SIGTERM meanwhile (torchrun's, once a first rank has
+    exited) must not turn this rank's status into -15."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(PREEMPTED)
 
 
 def stop_agreed(device):
@@ -89,10 +101,12 @@ def save_checkpoint(cfg, learner, step, metrics, tokenizer):
         with open(os.path.join(root, "latest.tmp"), "w") as f:
             f.write(f"step_{step}\n")
         os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
-        kept = sorted((d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp")), key=lambda d: int(d[5:]))
+        kept = sorted(
+            (d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp")), key=lambda d: int(d[5:])
+        )
         for old in kept[: -cfg.keep_last] if cfg.keep_last else []:
             shutil.rmtree(os.path.join(root, old))
-        print(f"checkpoint {final} saved in {time.time() - started:.2f} s", file=sys.stderr)
+        console.log.info(f"checkpoint {final} saved in {time.time() - started:.2f} s")
     dist.barrier()
 
 

@@ -7,6 +7,7 @@ import os
 import random
 from collections import Counter
 
+from console import warn
 from rewards import BUILTIN, parse_reward_spec
 
 SYSTEM_PROMPT = "Solve the problem. End your reply with a line '#### <answer>'."
@@ -135,7 +136,7 @@ def clean_rows(rows, source, reward_fns=None, prompt_field="question", messages_
         else:
             kept.append(row)
     if bad:
-        print(f"{source}: skipped {sum(bad.values())} bad rows: " + ", ".join(f"{n} {c}" for c, n in bad.items()))
+        warn(f"{source}: skipped {sum(bad.values())} bad rows: " + ", ".join(f"{n} {c}" for c, n in bad.items()))
     if not kept:
         if rows and isinstance(rows[0], dict):
             needed = [c for _, fn, _ in reward_fns for c in getattr(fn, "needs", ())]
@@ -183,7 +184,7 @@ def build_prompts(
         prompt = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
         out.append({**r, "prompt": prompt, "prompt_ids": list(ids)})
     if dropped:
-        print(f"{source}: dropped {dropped} prompts longer than {max_prompt_len} tokens")
+        warn(f"{source}: dropped {dropped} prompts longer than {max_prompt_len} tokens")
     if not out:
         raise SystemExit(f"{source}: every prompt is longer than --max-prompt-len {max_prompt_len}")
     return out

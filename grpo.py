@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import lora
 import metrics
 from comm import (
     bucket_plan,
@@ -33,9 +34,11 @@ from comm import (
     die_with_parent,
     exchange,
     from_samplers,
+    is_hybrid,
     make_group,
     placement,
     plan_bytes,
+    text_to_checkpoint,
     visible_gpus,
     weight_plan,
     wire_dtype,
@@ -61,7 +64,8 @@ class Config:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     micro_batch_size: int = 8  # sequences per forward/backward on each learner, when not packing by tokens
-    max_tokens_per_microbatch: int = 4096  # padded tokens per micro-batch, length-sorted; 0: --micro-batch-size sequences
+    max_tokens_per_microbatch: int = -1  # padded tokens per micro-batch, length-sorted; -1: max(4096, max-prompt-len + max-new-tokens); 0: --micro-batch-size sequences
+    logprob_chunk: int = 1024  # positions per output-projection chunk when taking log-probs (the [T, V] logits never exist whole); 0: dense
     max_staleness: int = 1  # 1: sample step k+1 while step k trains (the ratio corrects the lag); 0: on-policy
     objective: str = "clip"  # per-token objective: clip (PPO/GRPO) | cispo | sapo | my.module:fn (see OBJECTIVES)
     loss_type: str = "grpo"  # how per-token losses aggregate: grpo | bnpo | dr_grpo | dapo (see aggregate)
@@ -90,6 +94,9 @@ class Config:
     sampler_kv_cache_gb: float = 1.0  # vLLM's KV cache size (CPU only)
     sync_bucket_mb: float = 64.0
     gradient_checkpointing: bool = False
+    lora_rank: int = 0  # > 0: train LoRA adapters of this rank on --lora-targets (the base stays frozen); 0: full
+    lora_alpha: float = 0.0  # adapter scale alpha / rank; 0: 2 x rank
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # linear layers given adapters
     eval_every: int = 50  # greedy held-out eval every K steps, and at the start and end; 0: never
     eval_dataset: str = ""  # held-out set (its 'test' split); empty: --dataset's
     eval_size: int = 256  # held-out prompts per eval; 0: the whole test split
@@ -183,7 +190,10 @@ def cispo(logp, sampler_logp, advantages, mask, cfg):
     weight = ratio.clamp(max=1 + cfg.epsilon_high).detach()
     per_token = -weight * advantages[:, None] * logp
     with torch.no_grad():
-        metrics = {"ratio_mean": (ratio * mask).sum(), "clip_high_frac": ((ratio > 1 + cfg.epsilon_high) & (mask > 0)).sum()}
+        metrics = {
+            "ratio_mean": (ratio * mask).sum(),
+            "clip_high_frac": ((ratio > 1 + cfg.epsilon_high) & (mask > 0)).sum(),
+        }
     return per_token, metrics
 
 
@@ -274,7 +284,9 @@ def train_step(cfg, learner, rollouts, rank):
     G = cfg.group_size
     rewards = torch.tensor([c.reward for c in rollouts])  # [prompts * G]
     if cfg.overlong == "penalty":
-        rewards += torch.tensor([overlong_penalty(len(c.token_ids), cfg.max_new_tokens, cfg.overlong_buffer) for c in rollouts])
+        rewards += torch.tensor(
+            [overlong_penalty(len(c.token_ids), cfg.max_new_tokens, cfg.overlong_buffer) for c in rollouts]
+        )
     for c, a in zip(rollouts, group_advantages(rewards, G, cfg.scale).tolist()):
         c.advantage = a
     groups = [rollouts[i : i + G] for i in range(0, len(rollouts), G)]
@@ -286,7 +298,10 @@ def train_step(cfg, learner, rollouts, rank):
     # Every learner runs the same number of micro-batches, since each forward is a
     # collective; a learner with fewer runs empty ones.
     per_rank = -(-len(batch) // cfg.learners)
-    packs = [micro_batches(batch[r * per_rank : (r + 1) * per_rank], cfg.max_tokens_per_microbatch, cfg.micro_batch_size) for r in range(cfg.learners)]
+    packs = [
+        micro_batches(batch[r * per_rank : (r + 1) * per_rank], cfg.max_tokens_per_microbatch, cfg.micro_batch_size)
+        for r in range(cfg.learners)
+    ]
     mine = packs[rank] + [[]] * (max(1, max(map(len, packs))) - len(packs[rank]))
     step_counts = {"num_sequences": max(1, len(batch)), "num_tokens": max(1, sum(len(c.token_ids) for c in batch))}
 
@@ -352,23 +367,46 @@ def run_sampler(cfg, path, index, num_samplers, weight_pg, rollout_pg, device, g
     tokenizer = load_tokenizer(path)
     reward_fns = parse_reward_spec(cfg.rewards)
     fields = dict(prompt_field=cfg.prompt_field, messages_field=cfg.messages_field)
-    prompts = load_prompts(cfg.dataset, cfg.split, tokenizer, cfg.max_prompt_len, reward_fns, **fields) if cfg.steps else []
+    prompts = (
+        load_prompts(cfg.dataset, cfg.split, tokenizer, cfg.max_prompt_len, reward_fns, **fields) if cfg.steps else []
+    )
     eval_prompts = []
     if cfg.eval_every or cfg.eval_only:
-        eval_prompts = load_prompts(cfg.eval_dataset or cfg.dataset, "test", tokenizer, cfg.max_prompt_len, reward_fns, **fields)
+        eval_prompts = load_prompts(
+            cfg.eval_dataset or cfg.dataset, "test", tokenizer, cfg.max_prompt_len, reward_fns, **fields
+        )
         eval_prompts = eval_prompts[: cfg.eval_size or None]
-    engine = Sampler(path, cfg.max_prompt_len + cfg.max_new_tokens, cfg.seed, cfg.dtype, gpu_memory, cfg.sampler_kv_cache_gb)
+    engine = Sampler(
+        path, cfg.max_prompt_len + cfg.max_new_tokens, cfg.seed, cfg.dtype, gpu_memory, cfg.sampler_kv_cache_gb
+    )
     # Ready, and what the learners need to cut the same bucket plan: the engine's dtypes.
     # The learners wait for this before they load their model, so on a shared GPU vLLM
     # sizes its cache before the learner allocates.
     exchange(rollout_pg, {"engine_dtype": engine.dtype, "kept_dtypes": engine.kept_dtypes})
-    buckets = bucket_plan(weight_plan(path), lambda name: wire_dtype(name, engine.dtype, engine.kept_dtypes), int(cfg.sync_bucket_mb * 2**20))
+    buckets = bucket_plan(
+        weight_plan(path),
+        lambda name: wire_dtype(name, engine.dtype, engine.kept_dtypes),
+        int(cfg.sync_bucket_mb * 2**20),
+    )
+    if cfg.lora_rank:
+        # Only the adapters travel: this sampler holds the base weights it started from
+        # and merges them in before the engine's in-place reload, which then runs the
+        # plain model at full speed, with no LoRA kernels.
+        # The base under the trained model's names (a composite stores its text model under
+        # others, and its vision tower, which the text-only engine lacks, is left out).
+        stored = lora.load_base(path)
+        names = text_to_checkpoint([n for n, _ in weight_plan(path)], stored)
+        base = {n: stored[c] for n, c in names.items() if c in stored}
+        buckets = bucket_plan(adapter_plan(path, cfg), lambda name: torch.float32, int(cfg.sync_bucket_mb * 2**20))
 
     def sync(step):
         """Load the weights of `step` (or stop), then evaluate them when an eval is due."""
         if control(weight_pg, 0, device):
-            sys.exit(checkpoint.PREEMPTED)  # the learners saved a checkpoint and stop too
-        engine.load_weights(receive_weights(weight_pg, buckets, device))
+            checkpoint.exit_preempted()  # the learners saved a checkpoint and stop too
+        weights = receive_weights(weight_pg, buckets, device)
+        if cfg.lora_rank:
+            weights = lora.merged_weights(base, dict(weights), cfg.lora_alpha / cfg.lora_rank)
+        engine.load_weights(weights)
         if eval_due(cfg, step):
             exchange(rollout_pg, {"eval": evaluate(engine, eval_prompts[index::num_samplers], cfg, reward_fns, step)})
         return step
@@ -382,13 +420,19 @@ def run_sampler(cfg, path, index, num_samplers, weight_pg, rollout_pg, device, g
         if step == cfg.steps:
             break
         t1 = time.time()
-        batch = shard([prompts[i] for i in step_indices(len(prompts), step, cfg.prompts_per_step, cfg.seed)], index, num_samplers)
+        batch = shard(
+            [prompts[i] for i in step_indices(len(prompts), step, cfg.prompts_per_step, cfg.seed)], index, num_samplers
+        )
         key = (cfg.seed, step, index)  # seeds every request of this step on this sampler
-        completions = engine.sample([p["prompt_ids"] for p in batch], cfg.group_size, cfg.max_new_tokens, cfg.temperature, key)
+        completions = engine.sample(
+            [p["prompt_ids"] for p in batch], cfg.group_size, cfg.max_new_tokens, cfg.temperature, key
+        )
         rollouts = [Rollout(**c) for c in completions]
         t2 = time.time()
         records = [batch[i // cfg.group_size] for i in range(len(rollouts))]
-        totals, parts, counts = score_batch([c.text for c in rollouts], records, reward_fns, step, cfg.reward_timeout, cfg.reward_workers)
+        totals, parts, counts = score_batch(
+            [c.text for c in rollouts], records, reward_fns, step, cfg.reward_timeout, cfg.reward_workers
+        )
         for c, total, p in zip(rollouts, totals, parts):
             c.reward, c.parts = total, p
         # A broken reward must not train the model on zeros for hours: past the fraction,
@@ -407,7 +451,9 @@ def evaluate(engine, prompts, cfg, reward_fns, step):
     from rewards import score_batch
 
     completions = engine.sample([p["prompt_ids"] for p in prompts], 1, cfg.max_new_tokens, 0.0, (cfg.seed, "eval"))
-    totals, parts, _ = score_batch([c["text"] for c in completions], prompts, reward_fns, step, cfg.reward_timeout, cfg.reward_workers)
+    totals, parts, _ = score_batch(
+        [c["text"] for c in completions], prompts, reward_fns, step, cfg.reward_timeout, cfg.reward_workers
+    )
     sums = {name: sum(p[name] for p in parts) for name, _, _ in reward_fns}
     return {"n": len(prompts), "length": sum(len(c["token_ids"]) for c in completions), "reward": sum(totals), **sums}
 
@@ -416,24 +462,56 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
     from torch.distributed.device_mesh import init_device_mesh
     from tqdm import tqdm
 
+    import console
     from comm import send_weights
     from learner import Learner
 
     started = time.time()
     engine = from_samplers(rollout_pg)[0]  # the samplers are ready; their engine's dtypes
     mesh = init_device_mesh(device.type, (cfg.learners,))
-    learner = Learner(path, mesh, device, cfg.lr, cfg.weight_decay, cfg.gradient_checkpointing, reference=cfg.beta > 0, warmup_steps=cfg.warmup_steps, compute_dtype=getattr(torch, cfg.dtype))
+    adapters = (cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets.split(",")) if cfg.lora_rank else None
+    learner = Learner(
+        path,
+        mesh,
+        device,
+        cfg.lr,
+        cfg.weight_decay,
+        cfg.gradient_checkpointing,
+        reference=cfg.beta > 0,
+        warmup_steps=cfg.warmup_steps,
+        compute_dtype=getattr(torch, cfg.dtype),
+        lora=adapters,
+        logprob_chunk=cfg.logprob_chunk,
+    )
+    if rank == 0:
+        print(
+            learner.memory_line(
+                cfg.learners,
+                cfg.max_tokens_per_microbatch or cfg.micro_batch_size * (cfg.max_prompt_len + cfg.max_new_tokens),
+                cfg.max_prompt_len + cfg.max_new_tokens,
+                cfg.gradient_checkpointing,
+            ),
+            file=sys.stderr,
+        )
     tokenizer = load_tokenizer(path) if rank == 0 else None  # saved beside every checkpoint
     first = checkpoint.start_step(cfg)
     if cfg.resume:
         checkpoint.load_checkpoint(learner, cfg.resume)
-    buckets = bucket_plan(weight_plan(path), lambda name: wire_dtype(name, engine["engine_dtype"], engine["kept_dtypes"]), int(cfg.sync_bucket_mb * 2**20))
+    buckets = bucket_plan(
+        weight_plan(path),
+        lambda name: wire_dtype(name, engine["engine_dtype"], engine["kept_dtypes"]),
+        int(cfg.sync_bucket_mb * 2**20),
+    )
+    if cfg.lora_rank:  # adapters only, in float32: they are small (see run_sampler)
+        buckets = bucket_plan(adapter_plan(path, cfg), lambda name: torch.float32, int(cfg.sync_bucket_mb * 2**20))
     sync_mb = plan_bytes(buckets) / 2**20
     # Only rank 0 writes metrics, so only it measures the yardstick.
     memcpy_s = metrics.memcpy_seconds(plan_bytes(buckets), weight_device) if rank == 0 else 0.0
     log = metrics.open_log(os.path.join(cfg.out_dir, "metrics.jsonl"), first) if rank == 0 else None
     samples_log = metrics.open_log(os.path.join(cfg.out_dir, "samples.jsonl"), first) if rank == 0 else None
-    bar = tqdm(initial=first, total=cfg.steps, desc="grpo", disable=rank != 0)
+    bar = tqdm(
+        initial=first, total=cfg.steps, desc="grpo", disable=rank != 0, file=console.stream(), bar_format=console.BAR
+    )
     report = metrics.open_reporter(cfg) if rank == 0 else None
 
     def write_row(row):
@@ -449,8 +527,13 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
             checkpoint.save_checkpoint(cfg, learner, step, row, tokenizer)
             if weight_pg is not None:
                 control(weight_pg, 1, weight_device)
-            print(f"rank {rank}: stopped by a signal after step {step}; checkpoint saved; exit {checkpoint.PREEMPTED}", file=sys.stderr)
-            sys.exit(checkpoint.PREEMPTED)
+            saved = os.path.join(cfg.out_dir, "checkpoints", f"step_{step}")
+            console.preempted(
+                cfg.out_dir,
+                f"stopped by a signal after step {step}: checkpoint {saved} saved (--resume continues); exit {checkpoint.PREEMPTED}",
+                rank == 0,
+            )
+            checkpoint.exit_preempted()
         t0 = time.time()
         if weight_pg is not None:
             control(weight_pg, 0, weight_device)
@@ -460,6 +543,8 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
             return timing
         t1 = time.time()
         evals = metrics.merge_evals(from_samplers(rollout_pg))
+        if rank == 0:
+            console.say(metrics.eval_line(step, evals))
         return {**timing, "eval_s": time.time() - t1, **evals}
 
     skips, row, last = 0, {}, time.time()
@@ -482,7 +567,11 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         maxima["peak_memory_mb"] = metrics.peak_memory_mb(device)
         t4 = time.time()
         (sums, token_sums), maxima = metrics.reduce_metrics([sums, token_sums], maxima, device)
-        row = {**metrics.step_metrics(step, rollouts, reports, sums, token_sums, maxima, grad_norm, lr, t2 - t1, t4 - t3), **extra, "step_s": time.time() - last}
+        row = {
+            **metrics.step_metrics(step, rollouts, reports, sums, token_sums, maxima, grad_norm, lr, t2 - t1, t4 - t3),
+            **extra,
+            "step_s": time.time() - last,
+        }
         last = time.time()
         # Every learner sees the same global norm, so all of them skip alike.
         skips = 0 if math.isfinite(grad_norm) else skips + 1
@@ -494,11 +583,15 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
                     samples_log.write(json.dumps({"step": step, "text": c.text, "reward": c.reward, **c.parts}) + "\n")
                 samples_log.flush()
             bar.update()
-            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}")
-        if skips:
-            print(f"step {step}: non-finite grad norm, optimizer step skipped ({skips} in a row)", file=sys.stderr)
+            bar.set_postfix_str(
+                f"reward {row['reward_mean']:.3f}, acc {row['accuracy']:.2f}, {row['step_s']:.1f} s/step"
+            )
+        if skips:  # on the console from rank 0 only (every learner sees the same norm)
+            console.warn(f"step {step}: non-finite grad norm, optimizer step skipped ({skips} in a row)")
             if skips >= cfg.max_skips:
-                raise SystemExit(f"rank {rank}: {skips} consecutive steps with a non-finite loss or grad norm (--max-skips {cfg.max_skips}); aborting")
+                raise SystemExit(
+                    f"rank {rank}: {skips} consecutive steps with a non-finite loss or grad norm (--max-skips {cfg.max_skips}); aborting"
+                )
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
             checkpoint.save_checkpoint(cfg, learner, step + 1, row, tokenizer)
     bar.close()
@@ -506,10 +599,20 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         learner.save(os.path.join(cfg.out_dir, "final"), tokenizer)
     if rank == 0:
         log.close()
-        print(metrics.summary(cfg, os.path.join(cfg.out_dir, "metrics.jsonl"), time.time() - started))
+        console.say(metrics.summary(cfg, os.path.join(cfg.out_dir, "metrics.jsonl"), time.time() - started))
         curves = metrics.plot(cfg.out_dir)
         if curves:
-            print(f"curves: {curves}")
+            console.say(f"curves: {curves}")
+
+
+def adapter_plan(path, cfg):
+    """(name, shape) of the LoRA adapters of the model at path: what an adapter sync sends."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        lora.add_adapters(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets.split(","))
+    return lora.adapter_plan([(n, p.shape) for n, p in model.named_parameters()])
 
 
 def load_tokenizer(path):
@@ -538,9 +641,12 @@ def model_path(cfg, local_rank):
 SCALES = ("group", "batch", "none")
 
 
-def fail(message):
-    """One clear line and a non-zero exit, before anything heavy loads."""
-    print(f"grpo.py: error: {message}", file=sys.stderr)
+def fail(message, every_rank=False):
+    """One clear line and a non-zero exit, before anything heavy loads. Under torchrun
+    every rank checks the same flags, so only local rank 0 says why (`every_rank`: a
+    check whose answer differs between ranks)."""
+    if every_rank or os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"grpo.py: error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -581,18 +687,35 @@ def resolve(cfg, world_size, has_gpu, cpu_bf16=False):
     if cfg.learners < 1:
         fail(f"--learners must be at least 1, got {cfg.learners}")
     if samplers < 1:
-        fail(f"--learners {cfg.learners} leaves no sampler rank in a world of {world_size}; use --learners {world_size - 1} or more ranks")
+        fail(
+            f"--learners {cfg.learners} leaves no sampler rank in a world of {world_size}; use --learners {world_size - 1} or more ranks"
+        )
     if cfg.group_size < 2:
         fail(f"--group-size must be at least 2 for group advantages, got {cfg.group_size}")
     if cfg.prompts_per_step < 1 or cfg.prompts_per_step % samplers:
         fail(f"--prompts-per-step {cfg.prompts_per_step} must be a positive multiple of the {samplers} sampler ranks")
     if (cfg.prompts_per_step * cfg.group_size) % cfg.learners:
-        fail(f"--prompts-per-step x --group-size ({cfg.prompts_per_step * cfg.group_size}) must divide across the {cfg.learners} learners")
+        fail(
+            f"--prompts-per-step x --group-size ({cfg.prompts_per_step * cfg.group_size}) must divide across the {cfg.learners} learners"
+        )
     if cfg.max_staleness not in (0, 1):
-        fail(f"--max-staleness must be 0 or 1, got {cfg.max_staleness}: rollouts travel over blocking collectives, so the samplers run at most one step ahead")
+        fail(
+            f"--max-staleness must be 0 or 1, got {cfg.max_staleness}: rollouts travel over blocking collectives, so the samplers run at most one step ahead"
+        )
+    if cfg.max_tokens_per_microbatch == -1:  # the default: room for one whole sequence at least
+        cfg.max_tokens_per_microbatch = max(4096, cfg.max_prompt_len + cfg.max_new_tokens)
     if cfg.max_tokens_per_microbatch and cfg.max_tokens_per_microbatch < cfg.max_prompt_len + cfg.max_new_tokens:
-        fail(f"--max-tokens-per-microbatch {cfg.max_tokens_per_microbatch} cannot hold one sequence of --max-prompt-len + --max-new-tokens ({cfg.max_prompt_len + cfg.max_new_tokens}) tokens")
-    for name, value, low in [("steps", cfg.steps, 0), ("micro-batch-size", cfg.micro_batch_size, 1), ("max-tokens-per-microbatch", cfg.max_tokens_per_microbatch, 0), ("max-new-tokens", cfg.max_new_tokens, 1), ("max-prompt-len", cfg.max_prompt_len, 1)]:
+        fail(
+            f"--max-tokens-per-microbatch {cfg.max_tokens_per_microbatch} cannot hold one sequence of --max-prompt-len + --max-new-tokens ({cfg.max_prompt_len + cfg.max_new_tokens}) tokens"
+        )
+    for name, value, low in [
+        ("steps", cfg.steps, 0),
+        ("micro-batch-size", cfg.micro_batch_size, 1),
+        ("max-tokens-per-microbatch", cfg.max_tokens_per_microbatch, 0),
+        ("logprob-chunk", cfg.logprob_chunk, 0),
+        ("max-new-tokens", cfg.max_new_tokens, 1),
+        ("max-prompt-len", cfg.max_prompt_len, 1),
+    ]:
         if value < low:
             fail(f"--{name} must be at least {low}, got {value}")
     if cfg.temperature <= 0:
@@ -601,9 +724,19 @@ def resolve(cfg, world_size, has_gpu, cpu_bf16=False):
         fail("--lr must be >= 0, --epsilon > 0 and --epsilon-high >= --epsilon")
     if cfg.beta < 0 or cfg.tis_cap < 0:
         fail("--beta and --tis-cap must be >= 0")
+    if cfg.lora_rank < 0:
+        fail(f"--lora-rank must be >= 0, got {cfg.lora_rank}")
+    cfg.lora_alpha = cfg.lora_alpha or 2.0 * cfg.lora_rank
+    if cfg.lora_rank and not [t for t in cfg.lora_targets.split(",") if t]:
+        fail("--lora-targets must name at least one linear layer, e.g. q_proj,v_proj")
     if cfg.sapo_tau_pos <= 0 or cfg.sapo_tau_neg <= 0:
         fail("--sapo-tau-pos and --sapo-tau-neg must be positive")
-    for name, value, allowed in [("loss-type", cfg.loss_type, LOSS_TYPES), ("scale", cfg.scale, SCALES), ("importance", cfg.importance, ("token", "sequence")), ("overlong", cfg.overlong, ("none", "mask", "penalty"))]:
+    for name, value, allowed in [
+        ("loss-type", cfg.loss_type, LOSS_TYPES),
+        ("scale", cfg.scale, SCALES),
+        ("importance", cfg.importance, ("token", "sequence")),
+        ("overlong", cfg.overlong, ("none", "mask", "penalty")),
+    ]:
         if value not in allowed:
             fail(f"--{name} must be one of {', '.join(allowed)}, got {value!r}")
     try:
@@ -623,6 +756,10 @@ def resolve(cfg, world_size, has_gpu, cpu_bf16=False):
         fail("--prompt-field must name a dataset column")
     if not tiny and "/" not in cfg.model and not os.path.isdir(cfg.model):
         fail(f"--model: no such folder or hub name: {cfg.model}")
+    if not has_gpu and not tiny and cfg.dtype == "float32" and os.path.isdir(cfg.model) and is_hybrid(cfg.model):
+        fail(
+            "--dtype float32: vLLM's CPU kernel for this model's linear-attention layers runs only in bf16 ('CPU GDN attention requires BF16'); use --dtype bfloat16"
+        )
     try:
         parse_reward_spec(cfg.rewards)
     except ValueError as e:
@@ -642,23 +779,42 @@ def resolve(cfg, world_size, has_gpu, cpu_bf16=False):
 
 
 def main(argv=None):
+    import console
+
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plot"]:
         if len(argv) != 2:
             fail("usage: python grpo.py plot <out_dir>")
         print(metrics.plot(argv[1]) or "")
         return
-    cfg = parse_config(argv)
+    # `grpo.py check FLAGS`: what launch.sh runs before torchrun, with this node's
+    # torchrun variables (WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK) and no store: every
+    # flag check and every local rank's placement, so that a config that cannot work is
+    # refused once, in one line, before any rank starts. Prints the run's folder.
+    check = argv[:1] == ["check"]
+    argv = argv[1:] if check else argv
+    cfg = parse_flags(argv)
     if "WORLD_SIZE" not in os.environ:
         fail("run under torchrun, e.g. `torchrun --nproc_per_node 3 grpo.py --learners 2`, or `bash launch.sh`")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    world, local_world = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
     gpus = visible_gpus()
     cfg = resolve(cfg, world, bool(gpus), cpu_has_bf16())
+    if check:
+        node = int(os.environ.get("GROUP_RANK", "0"))
+        for local in range(local_world):
+            try:
+                placement(
+                    node * local_world + local, local, local_world, world, cfg.learners, gpus, cfg.sampler_gpu_memory
+                )
+            except ValueError as e:
+                fail(str(e))
+        print(cfg.out_dir)
+        return
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     try:
         place = placement(rank, local_rank, local_world, world, cfg.learners, gpus, cfg.sampler_gpu_memory)
     except ValueError as e:
-        fail(str(e))
+        fail(str(e), every_rank=True)
     device = torch.device("cpu")
     if place.gpu is not None:
         # Each rank sees only its own GPU, as cuda:0 (vLLM always takes cuda:0).
@@ -667,26 +823,84 @@ def main(argv=None):
         torch.cuda.set_device(device)
     weight_device = device if place.weight_backend == "nccl" else torch.device("cpu")
     os.makedirs(cfg.out_dir, exist_ok=True)
+    role = "learner" if place.learner else "sampler"
+    # From here on this rank's output goes to its log, unless GRPO_VERBOSE=1.
+    console.setup(cfg.out_dir, rank, role, warnings_here=rank in (0, cfg.learners), append=bool(cfg.resume))
+    if rank == 0:
+        console.say(start_line(cfg, world, local_world, gpus))
     torch.manual_seed(cfg.seed)
     signal.signal(signal.SIGTERM, checkpoint.on_signal)
     signal.signal(signal.SIGINT, checkpoint.on_signal)
     die_with_parent()
 
-    timeout = timedelta(minutes=cfg.timeout_minutes)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    path = model_path(cfg, local_rank)
-    rollout_pg = make_group(store, "rollout", rank, world, "gloo", timeout)
-    weight_rank = 0 if rank == 0 else rank - cfg.learners + 1
-    weight_pg = None
-    if rank == 0 or not place.learner:
-        weight_pg = make_group(store, "weights", weight_rank, world - cfg.learners + 1, place.weight_backend, timeout)
-    if place.learner:
-        learner_store = dist.PrefixStore("learner", store)
-        dist.init_process_group(place.learner_backend, store=learner_store, rank=rank, world_size=cfg.learners, timeout=timeout)
-        run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device)
-        dist.destroy_process_group()
-    else:
-        run_sampler(cfg, path, rank - cfg.learners, world - cfg.learners, weight_pg, rollout_pg, weight_device, place.sampler_gpu_memory)
+    with console.Failures(
+        cfg.out_dir, rank, role, quiet_exits=(checkpoint.PREEMPTED,), peer_errors=(dist.DistError,)
+    ) as failures:
+        timeout = timedelta(minutes=cfg.timeout_minutes)
+        failures.store = store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+        )
+        path = model_path(cfg, local_rank)
+        rollout_pg = make_group(store, "rollout", rank, world, "gloo", timeout)
+        weight_rank = 0 if rank == 0 else rank - cfg.learners + 1
+        weight_pg = None
+        if rank == 0 or not place.learner:
+            weight_pg = make_group(
+                store, "weights", weight_rank, world - cfg.learners + 1, place.weight_backend, timeout
+            )
+        if place.learner:
+            learner_store = dist.PrefixStore("learner", store)
+            dist.init_process_group(
+                place.learner_backend, store=learner_store, rank=rank, world_size=cfg.learners, timeout=timeout
+            )
+            run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device)
+            dist.destroy_process_group()
+        else:
+            run_sampler(
+                cfg,
+                path,
+                rank - cfg.learners,
+                world - cfg.learners,
+                weight_pg,
+                rollout_pg,
+                weight_device,
+                place.sampler_gpu_memory,
+            )
+
+
+def parse_flags(argv):
+    """parse_config, with argparse's usage and error (some fifty lines) cut to its one
+    line of error, in fail()'s form; --help is unchanged."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return parse_config(argv)
+    except SystemExit as e:
+        if e.code:
+            fail(err.getvalue().strip().splitlines()[-1].partition("error: ")[2])
+        raise
+
+
+def start_line(cfg, world, local_world, gpus):
+    """Rank 0's first console line: what runs where, and where the logs go."""
+    import console
+
+    def n(count, word):
+        return f"{count} {word}{'s' * (count != 1)}"
+
+    where = n(len(gpus), "GPU") if gpus else "CPU"
+    if world > local_world:
+        where = f"{world // local_world} nodes x {where}"
+    what = "eval only" if cfg.eval_only else n(cfg.steps, "step")
+    logs = (
+        f"{console.VERBOSE}=1: every rank's output here"
+        if console.verbose()
+        else f"logs in {console.logs_dir(cfg.out_dir)}/"
+    )
+    return f"grpo: {cfg.model} on {cfg.dataset}, {what}; {n(cfg.learners, 'learner')} + {n(world - cfg.learners, 'sampler')} on {where}; {logs}"
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ if [ "${1:-}" = "test" ]; then
 fi
 
 NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
 # Ranks per node and learners (comm.default_layout, a table in the README): one rank per
 # GPU, learners and samplers in powers of two so that the default batch divides; on one
 # GPU a learner and a sampler share it; on CPU 2 learners and 1 sampler.
@@ -48,11 +49,76 @@ if [ -z "${NPROC:-}" ]; then
     LEARNERS=${LEARNERS:-$DEFAULT_LEARNERS}
 fi
 LEARNERS=${LEARNERS:-$(( NPROC * NNODES / 2 > 0 ? NPROC * NNODES / 2 : 1 ))}
+for arg in "$@"; do
+    case "$arg" in -h | --help) exec "$PYTHON" grpo.py --help ;; esac
+done
 
-exec "$PYTHON" -m torch.distributed.run \
-    --nnodes "$NNODES" \
-    --node-rank "${NODE_RANK:-0}" \
-    --master-addr "${MASTER_ADDR:-127.0.0.1}" \
-    --master-port "${MASTER_PORT:-29500}" \
-    --nproc-per-node "$NPROC" \
-    grpo.py --learners "$LEARNERS" "$@"
+# A config that cannot work is refused here, once, in one line (exit 2), before torchrun
+# starts a rank: grpo.py's own checks, with this node's layout and no model or store.
+# It prints the run's folder, where the logs go.
+OUT_DIR=$(WORLD_SIZE=$(( NPROC * NNODES )) LOCAL_WORLD_SIZE=$NPROC GROUP_RANK=$NODE_RANK LOCAL_RANK=0 \
+    "$PYTHON" grpo.py check --learners "$LEARNERS" "$@") || exit $?
+
+TORCHRUN=("$PYTHON" -m torch.distributed.run
+    --nnodes "$NNODES"
+    --node-rank "$NODE_RANK"
+    --master-addr "${MASTER_ADDR:-127.0.0.1}"
+    --master-port "${MASTER_PORT:-29500}"
+    --nproc-per-node "$NPROC"
+    grpo.py --learners "$LEARNERS" "$@")
+
+# GRPO_VERBOSE=1: every rank's output and torchrun's own on the console, as they come.
+if [ -n "${GRPO_VERBOSE:-}" ] && [ "${GRPO_VERBOSE}" != 0 ]; then
+    exec "${TORCHRUN[@]}"
+fi
+
+# Quiet (the default): each rank sends its output to $OUT_DIR/logs/rank_<r>.log and keeps
+# this console for its progress and warnings (console.py); torchrun's own banner and
+# failure table go to torchrun.log. A rank that fails says so itself (and leaves the
+# marker logs/failed); for one that was killed, which cannot, this script names it from
+# torchrun's report. Preemption: the ranks leave logs/preempted and exit 75, and so does
+# this script. torchrun runs in the background so that this script can speak after it:
+# SIGTERM and SIGHUP are passed on; SIGINT (Ctrl-C) reaches torchrun from the terminal
+# itself, as both are in its foreground process group.
+LOGS="$OUT_DIR/logs"
+TORCHRUN_LOG="$LOGS/torchrun.log"
+[ "$NNODES" -gt 1 ] && TORCHRUN_LOG="$LOGS/torchrun_node$NODE_RANK.log"
+mkdir -p "$LOGS"
+rm -f "$LOGS/failed" "$LOGS/preempted"
+"${TORCHRUN[@]}" 2>"$TORCHRUN_LOG" &
+PID=$!
+trap 'kill -TERM "$PID" 2>/dev/null || true' TERM HUP
+trap ':' INT
+while kill -0 "$PID" 2>/dev/null; do
+    wait "$PID" || true
+done
+STATUS=0
+wait "$PID" || STATUS=$?
+trap - TERM HUP INT
+
+tail_of() {  # the last lines of a log, indented; a progress bar's redraws count as one
+    awk '{n = split($0, frames, "\r"); line = frames[n]; if (line ~ /[^[:space:]]/) last[++count] = line}
+        END {for (i = (count > 12 ? count - 11 : 1); i <= count; i++) print "    " last[i]}' "$1" || true
+}
+if [ "$STATUS" -ne 0 ] && [ ! -f "$LOGS/failed" ]; then
+    if [ -f "$LOGS/preempted" ]; then
+        exit 75
+    fi
+    # torchrun's first observed failure: "rank : 2 (local_rank: 2)", "exitcode : -9 (pid: ...)"
+    # and "traceback : Signal 9 (SIGKILL) received by PID ...".
+    read -r RANK CODE < <(awk '/Root Cause/ {found = 1}
+        found && $1 == "rank" {rank = $3}
+        found && $1 == "exitcode" {print rank, $3; exit}' "$TORCHRUN_LOG") || true
+    if [ -n "${RANK:-}" ] && [ -f "$LOGS/rank_$RANK.log" ]; then
+        WHY=$(awk '/Root Cause/ {found = 1} found && $1 == "traceback" {sub(/^ *traceback *: */, ""); print; exit}' "$TORCHRUN_LOG")
+        echo
+        WHO=$(head -n 1 "$LOGS/rank_$RANK.log" | sed -n 's/^\(rank [0-9]* ([a-z]*)\),.*/\1/p')
+        echo "${WHO:-rank $RANK} died with status $CODE${WHY:+ ($WHY)}; the end of its log, $LOGS/rank_$RANK.log:"
+        tail_of "$LOGS/rank_$RANK.log"
+    else
+        echo
+        echo "torchrun failed with status $STATUS; the end of its log, $TORCHRUN_LOG:"
+        tail_of "$TORCHRUN_LOG"
+    fi
+fi
+exit "$STATUS"

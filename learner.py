@@ -2,22 +2,37 @@
 forward/backward over micro-batches, grad clipping and the optimizer step, its full
 parameters for the weight sync, and its state for checkpoints."""
 
+import os
+
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
+import lora as lora_module
 
-def load_sharded(model_path, mesh, device, compute_dtype, gradient_checkpointing=False, frozen=False):
+
+def load_sharded(model_path, mesh, device, compute_dtype, gradient_checkpointing=False, frozen=False, adapters=None):
     """The Hugging Face model with each transformer block and the root under FSDP2.
     frozen (the reference): stored in compute_dtype itself with no gradients, since a
-    model that never steps needs no float32 master copy (half the bytes in bf16)."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=compute_dtype if frozen else torch.float32).to(device)
+    model that never steps needs no float32 master copy (half the bytes in bf16).
+    adapters (rank, alpha, targets): LoRA on those linear layers, the rest frozen."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=compute_dtype if frozen else torch.float32).to(
+        device
+    )
     if frozen:
         model.requires_grad_(False)
+    if adapters:
+        lora_module.add_adapters(model, *adapters)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
     # Master weights and AdamW's state stay float32; the forward and backward run in
@@ -49,7 +64,9 @@ def token_logprobs(model, ids, attention, temperature, chunk=1024):
     B, T, H = hidden.shape
     flat = hidden[:, :-1].reshape(-1, H)  # [B*(T-1), H]
     targets = ids[:, 1:].reshape(-1)  # [B*(T-1)]
-    logp, entropy = ChunkedTokenLogprobs.apply(flat, head.weight, head.bias, targets, temperature, chunk)  # [B*(T-1)] each
+    logp, entropy = ChunkedTokenLogprobs.apply(
+        flat, head.weight, head.bias, targets, temperature, chunk
+    )  # [B*(T-1)] each
     return logp.view(B, T - 1), entropy.view(B, T - 1)
 
 
@@ -62,9 +79,17 @@ def final_hidden(model, ids, attention):
     weight stays whole through the backward, where the final callback reduce-scatters
     its gradient like any other."""
     head = model.get_output_embeddings()
-    if any(getattr(c, "final_logit_softcapping", None) or getattr(c, "logit_scale", None) for c in (model.config, model.config.get_text_config())):
-        # The logits are then not head(hidden), and only the dense path is right.
-        raise ValueError(f"{type(model).__name__} transforms its logits after the output projection: use --logprob-chunk 0")
+    # The chunks apply the head's weight and bias themselves: right only when the logits
+    # are exactly a plain linear head of the hidden states.
+    if type(head) is not torch.nn.Linear:
+        raise ValueError(f"the output projection is a {type(head).__name__}, not a plain Linear: use --logprob-chunk 0")
+    if any(
+        getattr(c, "final_logit_softcapping", None) or getattr(c, "logit_scale", None)
+        for c in (model.config, model.config.get_text_config())
+    ):
+        raise ValueError(
+            f"{type(model).__name__} transforms its logits after the output projection: use --logprob-chunk 0"
+        )
     captured = []
 
     def skip_head(module, args):
@@ -77,27 +102,50 @@ def final_hidden(model, ids, attention):
     finally:
         handle.remove()
     if isinstance(head.weight, DTensor):
-        raise RuntimeError("the output projection is sharded after the forward: chunked log-probs need it whole (use --logprob-chunk 0)")
+        raise RuntimeError(
+            "the output projection is sharded after the forward: chunked log-probs need it whole (use --logprob-chunk 0)"
+        )
     return captured[0], head
 
 
-def chunk_logits(hidden, weight, bias, temperature):
-    """Temperature-scaled float32 logits of a few positions [C, V], by the same ops as the
-    dense path (the head's linear in its dtype, then float32, then / temperature), so
-    that they are the dense path's own numbers."""
-    logits = torch.nn.functional.linear(hidden, weight, bias).float()  # [C, V]
+def chunk_logits(hidden, weight, bias, temperature, out, half=None):
+    """Temperature-scaled float32 logits of a few positions, written into out [C, V]
+    (and half [C, V], the head's own output when it computes in a narrower dtype): the
+    dense path's ops (the head's linear in its dtype, then float32, then / temperature),
+    so its numbers, in buffers that every chunk reuses rather than fresh allocations
+    (on CPU each would be page-faulted in anew)."""
+    target = out if half is None else half
+    if bias is None:
+        torch.mm(hidden, weight.t(), out=target)
+    else:
+        torch.addmm(bias, hidden, weight.t(), out=target)
+    if half is not None:
+        out.copy_(half)
     if temperature > 0:
-        logits = logits / temperature
-    return logits
+        out.div_(temperature)
+    return out
 
 
 class ChunkedTokenLogprobs(torch.autograd.Function):
     """log p(target) [N] and the entropy [N] of softmax(chunk_logits(hidden)), computed
-    `chunk` positions at a time: at most a few [chunk, V] float32 tensors are alive, never
-    the [N, V] logits or their gradient. The forward keeps only hidden [N, H] and the log
-    normaliser [N]; the backward recomputes each chunk's logits (one matmul more than the
-    dense path's three) and turns them into that chunk's gradient in place. The entropy
-    is a metric: it has no gradient, as in the dense path."""
+    `chunk` positions at a time: two [chunk, V] float32 buffers are alive in the forward
+    and one in the backward, never the [N, V] logits or their gradient. The forward keeps
+    only hidden [N, H] and the log normaliser [N]; the backward recomputes each chunk's
+    logits (one matmul more than the dense path's three) and turns them into that chunk's
+    gradient in place. The entropy is a metric with no gradient, as in the dense path."""
+
+    @staticmethod
+    def buffers(n, chunk, weight, count):
+        rows = min(n, chunk)
+        full = [
+            torch.empty(rows, weight.shape[0], dtype=torch.float32, device=weight.device) for _ in range(count)
+        ]  # [C, V] each
+        half = (
+            None
+            if weight.dtype == torch.float32
+            else torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=weight.device)
+        )  # [C, V]
+        return full, half
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk):
@@ -105,13 +153,26 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
         entropy = torch.empty_like(logp)  # [N]
         logz = torch.empty_like(logp)  # [N]
+        (logits_buf, probs_buf), half_buf = ChunkedTokenLogprobs.buffers(n, chunk, weight, 2)
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
-            logits = chunk_logits(hidden[s:e], weight, bias, temperature)  # [C, V]
-            logz[s:e] = torch.logsumexp(logits, dim=-1)  # the dense path's op, for the same numbers
+            logits = chunk_logits(
+                hidden[s:e],
+                weight,
+                bias,
+                temperature,
+                logits_buf[: e - s],
+                None if half_buf is None else half_buf[: e - s],
+            )  # [C, V]
+            probs = probs_buf[: e - s]  # [C, V]
+            # torch.logsumexp's own steps (max, exp of the difference, sum, log, add), so
+            # its very numbers, with the exponentials kept for the entropy.
+            top = logits.amax(-1, keepdim=True)  # [C, 1]
+            torch.sub(logits, top, out=probs).exp_()
+            total = probs.sum(-1)  # [C]
+            logz[s:e] = total.log().add_(top.squeeze(-1))
             logp[s:e] = logits.gather(-1, targets[s:e, None]).squeeze(-1) - logz[s:e]
-            probs = (logits - logz[s:e, None]).exp_()  # [C, V]
-            entropy[s:e] = logz[s:e] - probs.mul_(logits).sum(-1)
+            entropy[s:e] = logz[s:e] - torch.linalg.vecdot(probs, logits) / total
         ctx.save_for_backward(hidden, weight, bias, targets, logz)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.mark_non_differentiable(entropy)
@@ -121,23 +182,27 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, targets, logz = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        n = hidden.shape[0]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None  # [N, H]
         # Accumulated in the weight's dtype, as the dense path's one matmul leaves it.
         grad_weight = torch.zeros_like(weight) if need_weight else None  # [V, H]
         grad_bias = torch.zeros_like(bias) if need_bias else None  # [V]
-        for s in range(0, hidden.shape[0], ctx.chunk):
-            e = min(s + ctx.chunk, hidden.shape[0])
+        (logits_buf,), half_buf = ChunkedTokenLogprobs.buffers(n, ctx.chunk, weight, 1)
+        for s in range(0, n, ctx.chunk):
+            e = min(s + ctx.chunk, n)
             g = grad_logp[s:e, None].float()  # [C, 1]
+            half = None if half_buf is None else half_buf[: e - s]  # [C, V]
             # d logp / d logits = onehot(target) - softmax, times the incoming gradient,
-            # built in place in the recomputed logits' storage.
-            grad_logits = chunk_logits(hidden[s:e], weight, bias, ctx.temperature)  # [C, V]
+            # built in place in the recomputed logits' buffer.
+            grad_logits = chunk_logits(hidden[s:e], weight, bias, ctx.temperature, logits_buf[: e - s], half)  # [C, V]
             grad_logits.sub_(logz[s:e, None]).exp_().mul_(-g)
             grad_logits.scatter_add_(-1, targets[s:e, None], g)
             if ctx.temperature > 0:
                 grad_logits.div_(ctx.temperature)
-            grad_logits = grad_logits.to(weight.dtype)  # [C, V], as the dense path casts it back
+            if half is not None:  # as the dense path casts its float32 gradient back
+                grad_logits = half.copy_(grad_logits)
             if need_hidden:
-                grad_hidden[s:e] = grad_logits @ weight  # [C, H]
+                torch.mm(grad_logits, weight, out=grad_hidden[s:e])  # [C, H]
             if need_weight:
                 grad_weight.addmm_(grad_logits.t(), hidden[s:e])  # [V, H]
             if need_bias:
@@ -145,21 +210,123 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
+def device_memory(device, learners):
+    """(bytes free on the device, bytes this process already holds there, how many
+    learners share that memory): on a GPU its free memory (torch.cuda.mem_get_info) and
+    this process's reserved memory, one learner per GPU; on CPU MemAvailable and this
+    process's resident set, shared by this node's learners."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], torch.cuda.memory_reserved(device), 1
+    fields = {}
+    for name in ("/proc/meminfo", "/proc/self/status"):
+        with open(name) as f:
+            fields.update(line.split(":", 1) for line in f if ":" in line)
+
+    def kib(key):
+        return int(fields[key].split()[0]) * 1024 if key in fields else 0
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", learners))
+    return kib("MemAvailable"), kib("VmRSS"), max(1, min(learners, local))
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf")
+
+
+def restore_architecture(saved, source):
+    """Make `saved`, a text model that save_pretrained wrote, the architecture of `source`,
+    the checkpoint it was loaded from, when that is a composite whose text model alone was
+    trained (Qwen3.5: AutoModelForCausalLM trains Qwen3_5ForCausalLM out of a
+    Qwen3_5ForConditionalGeneration). save_pretrained already writes the text weights
+    under the checkpoint's own names (it reverses the renaming it loaded them with); this
+    adds the rest: source's config.json and every other non-weight file (processor,
+    chat template, generation config) as they are, and source's weights that the text
+    model did not write (a vision tower, MTP layers) in a shard of their own, untouched,
+    with an index over both. A text checkpoint is left as it is. Returns the names
+    carried over."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from comm import checkpoint_files
+
+    config = AutoConfig.from_pretrained(source)
+    if config.get_text_config() is config:
+        return []
+    if os.path.isdir(source):
+        folder = source
+    else:
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(source)  # already in the cache: the learners loaded it
+    written, stored = checkpoint_files(saved), checkpoint_files(folder)
+    foreign = sorted(set(written) - set(stored))
+    if foreign:
+        raise ValueError(
+            f"the trained model wrote weights that {source} does not hold, e.g. {foreign[:3]}: not its text model"
+        )
+    for name in os.listdir(folder):
+        file = os.path.join(folder, name)
+        if os.path.isfile(file) and not name.startswith(".") and not name.endswith(WEIGHT_SUFFIXES + (".index.json",)):
+            shutil.copyfile(file, os.path.join(saved, name))
+    carried = sorted(set(stored) - set(written))
+    tensors = {}
+    for file in sorted({stored[n] for n in carried}):
+        with safe_open(file, "pt") as f:
+            tensors.update({n: f.get_tensor(n) for n in carried if stored[n] == file})
+    single = os.path.join(saved, "model.safetensors")
+    if os.path.exists(single):  # one file and no index: transformers would read that file alone
+        os.rename(single, os.path.join(saved, "model-text.safetensors"))
+        written = {n: os.path.join(saved, "model-text.safetensors") for n in written}
+    if tensors:
+        save_file(tensors, os.path.join(saved, "model-carried.safetensors"), metadata={"format": "pt"})
+    weight_map = {n: os.path.basename(f) for n, f in written.items()} | {
+        n: "model-carried.safetensors" for n in tensors
+    }
+    total = sum(os.path.getsize(os.path.join(saved, f)) for f in set(weight_map.values()))
+    with open(os.path.join(saved, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    return carried
+
+
 class Learner:
-    def __init__(self, model_path, mesh, device, lr, weight_decay=0.0, gradient_checkpointing=False, reference=False, warmup_steps=0, compute_dtype=torch.float32, logprob_chunk=1024):
+    def __init__(
+        self,
+        model_path,
+        mesh,
+        device,
+        lr,
+        weight_decay=0.0,
+        gradient_checkpointing=False,
+        reference=False,
+        warmup_steps=0,
+        compute_dtype=torch.float32,
+        logprob_chunk=1024,
+        lora=None,
+    ):
         self.device = device
+        self.model_path = model_path  # where save() takes a composite's other parts from
+        self.lora = lora  # (rank, alpha, targets) or None: full fine-tuning
         # Positions per output-projection chunk in token_logprobs; 0: the dense path.
-        self.logprob_chunk = logprob_chunk
-        self.model = load_sharded(model_path, mesh, device, compute_dtype, gradient_checkpointing)
+        self.logprob_chunk, self.compute_dtype = logprob_chunk, compute_dtype
+        self.model = load_sharded(model_path, mesh, device, compute_dtype, gradient_checkpointing, adapters=lora)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         # Losses are normalised by whole-step counts already, so the learners' gradients
         # must be summed; FSDP averages them, so each backward is scaled by the count.
         self.grad_scale = mesh.size()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
         # A linear warm-up: Adam's first, bias-corrected steps move every weight by a
         # full lr, which is enough to wreck a small policy.
-        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / (warmup_steps + 1)))
-        # A frozen copy of the initial weights for the KL term, sharded like the policy.
-        self.reference = load_sharded(model_path, mesh, device, compute_dtype, frozen=True) if reference else None
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / (warmup_steps + 1))
+        )
+        # The KL term's reference: with LoRA, the policy with its adapters switched off (no
+        # second copy); else a frozen copy of the initial weights, sharded like the policy.
+        self.reference = None
+        if reference:
+            self.reference = self.model if lora else load_sharded(model_path, mesh, device, compute_dtype, frozen=True)
         self.named_params = dict(self.model.named_parameters())
         config = self.model.config
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
@@ -188,6 +355,36 @@ class Learner:
         dense with logprob_chunk 0."""
         return token_logprobs(model, ids, attention, temperature, self.logprob_chunk)
 
+    def memory_line(self, learners, tokens, seq_len, gradient_checkpointing=False):
+        """One line for the start of a run: this rank's estimated peak memory at the
+        configured sizes (metrics.estimate_learner_memory), by component, against what
+        the device has free, with a warning when it does not fit."""
+        import metrics
+
+        estimate = metrics.estimate_learner_memory(
+            self.model,
+            learners,
+            tokens,
+            self.device,
+            self.compute_dtype,
+            self.reference is not None,
+            self.logprob_chunk,
+            gradient_checkpointing,
+            seq_len,
+        )
+        free, held, sharing = device_memory(self.device, learners)
+
+        def gib(b):
+            return f"{b / 2**30:.2f}"
+
+        parts = ", ".join(f"{k} {gib(v)}" for k, v in estimate.items() if k != "total")
+        need = estimate["total"] * sharing
+        line = f"learner memory: estimated peak {gib(estimate['total'])} GiB per rank ({parts}; {tokens} positions per micro-batch, log-prob chunk {self.logprob_chunk or 'dense'})"
+        line += f" against {gib(free + held)} GiB for {'each learner' if sharing == 1 else f'the {sharing} learners here'} on {self.device.type} (free {gib(free)} + held {gib(held)})"
+        if need > free + held:
+            line += ": WARNING: it may not fit; lower --max-tokens-per-microbatch or --logprob-chunk, or use --gradient-checkpointing or more learners"
+        return line
+
     def idle_batch(self):
         """What a learner with no micro-batch left runs: it must still join each
         forward's and backward's collectives (FSDP's all-gathers and reduce-scatters) and
@@ -212,7 +409,7 @@ class Learner:
             logp, entropy = self.token_logprobs(self.model, ids, attention, temperature)
             ref_logp = None
             if self.reference is not None:
-                with torch.no_grad():
+                with torch.no_grad(), lora_module.adapters_off(self.reference):
                     ref_logp = self.token_logprobs(self.reference, ids, attention, temperature)[0]
             loss, metrics = loss_fn(logp, sampler_logp, advantages, mask, ref_logp)
             (loss * self.grad_scale).backward()
@@ -230,7 +427,7 @@ class Learner:
     def clip_grad_and_step(self, max_grad_norm):
         """Clip to max_grad_norm and step. Every learner sees the same global norm, so a
         non-finite norm skips the step on all of them alike. Returns the norm."""
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_grad_norm)
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         if torch.isfinite(norm):
             self.optimizer.step()
@@ -248,7 +445,7 @@ class Learner:
         """Policy, optimizer and reference state dicts, sharded as they live."""
         model, optim = get_state_dict(self.model, self.optimizer)
         state = {"model": model, "optim": optim}
-        if self.reference is not None:
+        if self.reference is not None and self.reference is not self.model:
             state["reference"] = get_model_state_dict(self.reference)
         return state
 
@@ -262,14 +459,25 @@ class Learner:
         state = self.train_state()
         dcp.load(state, checkpoint_id=path)  # in place, into the shards of `state`
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        if self.reference is not None:
+        if "reference" in state:
             set_model_state_dict(self.reference, state["reference"])
         self.schedule.load_state_dict(schedule)
 
     def save(self, path, tokenizer=None):
-        """Full weights in Hugging Face format; all learners call it, rank 0 writes."""
+        """Full weights in Hugging Face format (with LoRA: merged, and the adapters in
+        PEFT's format in path/adapter); all learners call it, rank 0 writes."""
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if dist.get_rank() == 0:
-            self.model.save_pretrained(path, state_dict=state)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(path)
+        if dist.get_rank() != 0:
+            return
+        if self.lora:
+            rank, alpha, targets = self.lora
+            adapters = {n: t for n, t in state.items() if n.endswith((".lora_A", ".lora_B"))}
+            base = {lora_module.base_name(n): t for n, t in state.items() if n not in adapters}
+            state = dict(lora_module.merged_weights(base, adapters, alpha / rank))
+            lora_module.save_peft(
+                os.path.join(path, "adapter"), adapters, rank, alpha, targets, self.model.config._name_or_path
+            )
+        self.model.save_pretrained(path, state_dict=state)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+        restore_architecture(path, self.model_path)

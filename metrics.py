@@ -15,17 +15,21 @@ def summary(cfg, metrics_path, wall_s):
     rows = [json.loads(line) for line in open(metrics_path)]
     train = [r for r in rows if "reward_mean" in r]
     evals = [r for r in rows if "eval_length" in r]
-    lines = [f"run finished: {len(train)} steps in {wall_s:.0f} s; metrics in {metrics_path}, policy in {os.path.join(cfg.out_dir, 'final')}"]
+    lines = [
+        f"run finished: {len(train)} steps in {wall_s:.0f} s; metrics in {metrics_path}, policy in {os.path.join(cfg.out_dir, 'final')}"
+    ]
     if evals:
         key = "eval_accuracy" if "eval_accuracy" in evals[0] else "eval_reward"
-        lines.append(f"{key.replace('_', ' ')}: {evals[0][key]:.3f} at step {evals[0]['step']} -> {evals[-1][key]:.3f} at step {evals[-1]['step']}")
+        lines.append(
+            f"{key.replace('_', ' ')}: {evals[0][key]:.3f} at step {evals[0]['step']} -> {evals[-1][key]:.3f} at step {evals[-1]['step']}"
+        )
     if train:
         seconds = sum(r["step_s"] for r in train)
         tokens = sum(r["tokens_sampled"] for r in train)
-        lines.append(f"train reward {train[0]['reward_mean']:.3f} -> {train[-1]['reward_mean']:.3f}; {seconds:.0f} s in steps; {tokens / max(1e-9, sum(r['sample_s'] for r in train)):.0f} sampled tokens/s")
+        lines.append(
+            f"train reward {train[0]['reward_mean']:.3f} -> {train[-1]['reward_mean']:.3f}; {seconds:.0f} s in steps; {tokens / max(1e-9, sum(r['sample_s'] for r in train)):.0f} sampled tokens/s"
+        )
     return "\n".join(lines)
-
-
 
 
 def peak_memory_mb(device):
@@ -140,8 +144,6 @@ def plot(out_dir):
     return path
 
 
-
-
 def open_reporter(cfg):
     """A function that forwards one metrics row to wandb or TensorBoard, or None."""
     if cfg.report_to == "wandb":
@@ -175,6 +177,11 @@ def open_log(path, first_step):
     return open(path, "a")
 
 
+def eval_line(step, evals):
+    """One console line for an eval as it comes: accuracy first, then the other rewards, the length."""
+    keys = sorted((k for k in evals if k != "eval_length"), key=lambda k: (k != "eval_accuracy", k))
+    parts = [f"{k[5:].replace('_', ' ')} {evals[k]:.3f}" for k in keys]
+    return f"eval at step {step}: " + ", ".join(parts + [f"length {evals['eval_length']:.1f} tokens"])
 
 
 def merge_evals(reports):
@@ -184,3 +191,65 @@ def merge_evals(reports):
     return {f"eval_{k}": sum(e[k] for e in evals) / n for k in evals[0] if k != "n"}
 
 
+def estimate_learner_memory(
+    model, learners, tokens, device, compute_dtype, reference, logprob_chunk, gradient_checkpointing=False, seq_len=None
+):
+    """The peak bytes one learner rank holds during a step, by component, from the
+    model's parameters and config at the configured sizes; `total` is their sum. It counts
+    tensors only: not the CUDA context or the Python runtime (the free memory it is
+    compared with already excludes them). Works on an FSDP2 model (a DTensor counts
+    whole) and on one built on the meta device (for a model too big to load here).
+
+      parameters, gradients  float32 shards: 4 bytes each per parameter (gradients: per
+                             trained one) / learners
+      optimizer              AdamW's two float32 moments: 8 bytes per trained parameter
+                             / learners
+      reference              the frozen copy, in the compute dtype, sharded
+      unsharded              what FSDP2 holds whole: the root's parameters (embeddings,
+                             head, final norm; the root never reshards after forward),
+                             of the policy and the reference, the head's gradient, and
+                             two blocks in flight with one block's gradient
+      activations            saved for the backward by `layers` blocks over `tokens`
+                             positions: about 9H + 4I + 4 kv_heads x head_dim values per
+                             position and layer, plus the attention mask's seq_len^2 per
+                             sequence and layer (with gradient checkpointing: H values
+                             per position and layer, plus one layer's whole)
+      logits                 float32 [positions, V] tensors alive at the peak: about 5
+                             whole ones on the dense path (the saved logits, then the
+                             backward's softmax, scatter, sum and scaled copies), about
+                             3 of [logprob_chunk, V] on the chunked one"""
+    config = model.config.get_text_config()
+    H, V, layers = config.hidden_size, config.vocab_size, config.num_hidden_layers
+    intermediate = getattr(config, "intermediate_size", None) or 4 * H
+    heads = getattr(config, "num_attention_heads", 1) or 1
+    kv = (getattr(config, "num_key_value_heads", None) or heads) * (getattr(config, "head_dim", None) or H // heads)
+    c = torch.finfo(compute_dtype).bits // 8  # bytes per value computed
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in names]
+    total = sum(p.numel() for p in model.parameters())  # tied weights once
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)  # all, or LoRA's adapters
+    root = total - sum(blocks)
+    head_weight = model.get_output_embeddings().weight
+    head = head_weight.numel() if head_weight.requires_grad else 0
+    seq_len = min(seq_len or tokens, tokens)
+    mask_bytes = 4 if device.type == "cpu" else c  # the CPU attention kernel takes a float32 mask
+    if gradient_checkpointing:
+        activations = (
+            tokens * layers * H * c + tokens * (9 * H + 4 * intermediate + 4 * kv) * c + tokens * seq_len * mask_bytes
+        )
+    else:
+        activations = tokens * layers * (9 * H + 4 * intermediate + 4 * kv) * c + layers * tokens * seq_len * mask_bytes
+    positions = min(logprob_chunk, tokens) if logprob_chunk else tokens
+    # Computing in bf16, the head's own [positions, V] output comes before its float32 copy.
+    logits = positions * V * ((3 if logprob_chunk else 5) * 4 + (c if c != 4 else 0))
+    estimate = {
+        "parameters": 4 * total / learners,
+        "gradients": 4 * trained / learners,
+        "optimizer": 8 * trained / learners,
+        "reference": c * total / learners if reference else 0,
+        "unsharded": c * (root * (2 if reference else 1) + head + 3 * max(blocks, default=0)),
+        "activations": activations,
+        "logits": logits,
+    }
+    estimate["total"] = sum(estimate.values())
+    return estimate

@@ -22,6 +22,8 @@ import time
 import traceback
 from fractions import Fraction
 
+from console import warn
+
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d*)?(?:/\d+)?")
 TAIL = 200  # characters read after a '####' or 'answer is' marker
 
@@ -192,7 +194,7 @@ def score_batch(completions, records, reward_fns, step=0, timeout=10.0, workers=
             if (name, error == TIMEOUT) not in _reported:
                 _reported.add((name, error == TIMEOUT))
                 what = f"ran past --reward-timeout {timeout:g} s" if error == TIMEOUT else f"failed:\n{error.rstrip()}"
-                print(f"reward {name!r} {what}\n(scored 0; later ones are only counted)", file=sys.stderr, flush=True)
+                warn(f"reward {name!r} {what}\n(scored 0; later ones are only counted)")
     totals = [sum(w * p[name] for name, _, w in reward_fns) for p in parts]
     return totals, parts, {**counts, "rewards_failed": len(failed), "rewards": len(completions)}
 

@@ -8,12 +8,36 @@ import os
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import hashlib
+import logging
+import warnings
 
 import torch
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
-from comm import param_key
+from comm import checkpoint_files, is_hybrid, param_key, text_to_checkpoint, weight_plan
+
+# vLLM's Triton dispatcher trips torch's deprecation of torch.distributed.reduce_op as it
+# scans modules, twice at start: nothing a user of this repo can act on.
+warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.triton_utils\.dispatcher")
+
+
+class _RotaryReloadFilter(logging.Filter):
+    """Drops vLLM's 'RotaryEmbedding: Failed to load weights', which it logged at every
+    weight sync. After an in-place reload, vLLM (model_loader/reload/layerwise.py) warns
+    about each module that got none of its tensors and puts the old ones back. A rotary
+    embedding's only tensor is its cos/sin table, a non-persistent buffer computed at
+    start that no checkpoint holds and no sync sends, so it always "fails", and keeping
+    the old table is right. No reload argument avoids it. The same warning about any
+    other module (a head or a layer that really missed its weights: a broken sync) still
+    passes."""
+
+    def filter(self, record):
+        rotary = record.args and str(record.args[0]).endswith("RotaryEmbedding")
+        return not (record.msg == "%s: Failed to load weights" and rotary)
+
+
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryReloadFilter())
 
 
 def request_seed(*key):
@@ -27,12 +51,21 @@ def request_seed(*key):
 class Sampler:
     def __init__(self, model, max_model_len, seed, dtype, gpu_memory_utilization=0.3, kv_cache_gb=1.0):
         on_gpu = torch.cuda.is_available()
-        memory = {"gpu_memory_utilization": gpu_memory_utilization} if on_gpu else {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)}
+        if not on_gpu:
+            allow_qwen3_5_without_torchvision(model)
+        memory = (
+            {"gpu_memory_utilization": gpu_memory_utilization}
+            if on_gpu
+            else {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)}
+        )
         # CPU: vLLM rewinds a seeded request's generator when it throws away the sample of
         # a chunked prefill, and a CPU generator cannot rewind (the engine dies), so
         # prefills are never chunked there. On GPU the noise is a stateless hash of
         # (seed, position), which chunking cannot change.
         chunking = {} if on_gpu else {"enable_chunked_prefill": False}
+        # A hybrid model's prefix cache (vLLM's mamba cache mode 'align', which keeps the
+        # recurrent state at block boundaries) requires chunked prefill: off with it on CPU.
+        prefix_caching = on_gpu or not is_hybrid(model)
         self.llm = LLM(
             model=model,
             dtype=dtype,
@@ -41,7 +74,9 @@ class Sampler:
             seed=seed,
             # Log-probs after temperature scaling: those of the policy that really sampled.
             logprobs_mode="processed_logprobs",
-            enable_prefix_caching=True,
+            enable_prefix_caching=prefix_caching,
+            # Text only: a composite checkpoint's vision tower is neither built nor loaded.
+            language_model_only=True,
             use_tqdm_on_load=False,
             **memory,
             **chunking,
@@ -52,12 +87,19 @@ class Sampler:
         # net's A_log in float32 under bf16: they travel in that dtype (comm.wire_dtype).
         params = self.llm.collective_rpc(_param_dtypes)[0]
         self.kept_dtypes = {param_key(n): d for n, d in params.items() if d != self.dtype}
+        # The engine loads the checkpoint's names; where the checkpoint stores the trained
+        # text model under others (a composite's model.language_model.*), they are renamed.
+        mapping = text_to_checkpoint([n for n, _ in weight_plan(model)], checkpoint_files(model))
+        self.engine_names = {n: c for n, c in mapping.items() if n != c}
 
     def sample(self, prompt_ids, n, max_tokens, temperature, key):
         """n completions per prompt, in prompt order, each prompt's n contiguous. Request i
         is seeded by request_seed(*key, i), so that the samples are a function of the key
         and the requests alone, whatever else the engine runs beside them."""
-        params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, logprobs=0, seed=request_seed(*key, i)) for i in range(len(prompt_ids))]
+        params = [
+            SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, logprobs=0, seed=request_seed(*key, i))
+            for i in range(len(prompt_ids))
+        ]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
         completions = []
         for prompt, out in zip(prompt_ids, outputs):
@@ -76,8 +118,52 @@ class Sampler:
     def load_weights(self, named_tensors):
         """Load (name, tensor) pairs in place into the running engine. The iterator is
         consumed inside vLLM's loader, so buckets can arrive while it runs."""
+        named_tensors = ((self.engine_names.get(n, n), t) for n, t in named_tensors)
         self.llm.collective_rpc(_reload_weights, args=(with_tied_head(named_tensors) if self.tied else named_tensors,))
         self.llm.reset_prefix_cache()
+
+
+QWEN3_5 = (
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration",
+)
+
+
+def allow_qwen3_5_without_torchvision(model):
+    """vLLM's Qwen3.5 module imports its Qwen3-VL module, which imports smart_resize from
+    transformers' torchvision image processor; without torchvision (PyPI has no build for
+    the +cpu torch) the import fails and the engine reports that the architecture 'failed
+    to be inspected'. Text-only sampling needs no image code: that transformers module is
+    stood in for by its PIL twin, which defines the same smart_resize, and the Qwen3.5
+    classes are registered as imported here, so that vLLM inspects them in this process
+    and not in a fresh interpreter without the stand-in. A no-op for other models and
+    wherever torchvision imports."""
+    import sys
+    import types
+
+    from transformers import AutoConfig
+
+    if not set(getattr(AutoConfig.from_pretrained(model), "architectures", None) or []) & set(QWEN3_5):
+        return
+    try:
+        import torchvision  # noqa: F401
+
+        return
+    except Exception:  # absent, or a CUDA build beside the +cpu torch ('torchvision::nms does not exist')
+        pass
+    from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
+
+    name = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+    stand_in = types.ModuleType(name)
+    stand_in.smart_resize, stand_in.Qwen2VLImageProcessor = pil.smart_resize, pil.Qwen2VLImageProcessorPil
+    sys.modules[name] = stand_in
+    from vllm import ModelRegistry
+    from vllm.model_executor.models import qwen3_5
+
+    for arch in QWEN3_5:
+        ModelRegistry.register_model(arch, getattr(qwen3_5, arch))
 
 
 def with_tied_head(named_tensors):
@@ -94,6 +180,20 @@ def with_tied_head(named_tensors):
 
 def _reload_weights(worker, named_tensors):
     worker.model_runner.reload_weights(weights_iterator=named_tensors)
+    if not torch.cuda.is_available():
+        repack_cpu_experts(worker.model_runner.get_model())
+
+
+def repack_cpu_experts(model):
+    """vLLM 0.32's in-place reload re-runs a fused-MoE layer's processing but, on a weight
+    update, skips its experts' own process_weights_after_loading, which on CPU is what
+    packs w13/w2 for the grouped GEMM: the reloaded experts would compute with unpacked
+    weights (a wrong MoE, silently). So the CPU packing is redone here; on GPU that step
+    is a no-op and the reload is right as it is."""
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is not None and hasattr(module, "w13_weight"):
+            kernel.fused_experts.process_weights_after_loading(module)
 
 
 def _param_dtypes(worker):

@@ -32,20 +32,31 @@ def build_tiny_tokenizer():
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + alphabet)}
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None)
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
 
-def build_tiny_model(path, seed=0, warmup_steps=300):
+def build_tiny_model(path, seed=0, warmup_steps=300, progress=True):
     """A Qwen2 with a character vocabulary, saved where vLLM and transformers both load
     it. From random init it is first taught the answer format on synthetic problems
     whose results are random numbers: it then writes well-formed answers at chance
     accuracy, and GRPO has something to improve (its "pretraining"). Written to a
-    temporary folder and renamed, so a crash never leaves half a model behind."""
+    temporary folder and renamed, so a crash never leaves half a model behind.
+    `progress`: say so on the console, with a bar over the warm-up (about 100 s)."""
     import torch
+    from tqdm import tqdm
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    import console
+
+    if progress:
+        console.say(
+            f"first run: building the tiny model into {path}, with its {warmup_steps}-step format warm-up (about 100 s on 2 cores, once)"
+        )
 
     tokenizer = build_tiny_tokenizer()
     config = Qwen2Config(
@@ -59,7 +70,20 @@ def build_tiny_model(path, seed=0, warmup_steps=300):
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
-    format_warmup(model, tokenizer, warmup_steps, seed)
+    with tqdm(
+        total=warmup_steps,
+        desc="tiny model warm-up",
+        file=console.stream(),
+        disable=not progress,
+        bar_format=console.BAR,
+    ) as bar:
+        format_warmup(
+            model,
+            tokenizer,
+            warmup_steps,
+            seed,
+            on_step=lambda loss: (bar.update(), bar.set_postfix_str(f"loss {loss:.3f}")),
+        )
     tmp = f"{path}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
@@ -72,8 +96,9 @@ def build_tiny_model(path, seed=0, warmup_steps=300):
     return path
 
 
-def format_warmup(model, tokenizer, steps, seed, batch_size=64, lr=3e-3):
-    """Supervised training on completions only, with random results in the answers."""
+def format_warmup(model, tokenizer, steps, seed, batch_size=64, lr=3e-3, on_step=None):
+    """Supervised training on completions only, with random results in the answers;
+    on_step(loss) after each step."""
     import torch
 
     rng = random.Random(seed)
@@ -93,10 +118,16 @@ def format_warmup(model, tokenizer, steps, seed, batch_size=64, lr=3e-3):
         for i, (p, c) in enumerate(rows):
             ids[i, : len(p) + len(c)] = torch.tensor(p + c)
             labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
-        loss = model(input_ids=ids, attention_mask=(labels != -100) | (torch.arange(width) < torch.tensor([len(p) for p, _ in rows])[:, None]), labels=labels).loss
+        loss = model(
+            input_ids=ids,
+            attention_mask=(labels != -100) | (torch.arange(width) < torch.tensor([len(p) for p, _ in rows])[:, None]),
+            labels=labels,
+        ).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad()
+        if on_step:
+            on_step(loss.item())
     model.eval()

@@ -18,7 +18,14 @@ with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, "run")
     env = {**os.environ, "GRPO_CACHE": os.path.join(tmp, "cache")}
     start = time.time()
-    result = subprocess.run(["bash", "launch.sh", "--out-dir", out, *sys.argv[1:]], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    result = subprocess.run(
+        ["bash", "launch.sh", "--out-dir", out, *sys.argv[1:]],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     wall = time.time() - start
     if result.returncode != 0:
         print(result.stdout[-4000:])
@@ -29,4 +36,7 @@ with tempfile.TemporaryDirectory() as tmp:
         print(f"step {r['step']:4d}  eval accuracy {r['eval_accuracy']:.3f}  format {r['eval_format']:.3f}")
     first, last = evals[0]["eval_accuracy"], evals[-1]["eval_accuracy"]
     print(f"start accuracy {first:.3f}, end accuracy {last:.3f}, wall time {wall:.0f} s (build and warm-up included)")
-    print("PASS" if first <= 0.25 and last >= 0.85 and wall < 600 else "FAIL", "(target: start <= 0.25, end >= 0.85, under 600 s)")
+    print(
+        "PASS" if first <= 0.25 and last >= 0.85 and wall < 600 else "FAIL",
+        "(target: start <= 0.25, end >= 0.85, under 600 s)",
+    )

@@ -7,7 +7,35 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k")
+# The shared GSM8K copy: beside the clone, where CI has it (../shared/data/gsm8k).
+GSM8K = os.path.normpath(os.path.join(ROOT, "..", "shared", "data", "gsm8k"))
+GSM8K_TESTS = set()  # node ids of the tests that take the gsm8k fixture
+
+
+@pytest.fixture
+def gsm8k():
+    """The shared GSM8K folder; a test that takes it skips where the folder is absent, and
+    the end of the run says how its tests went, so a CI log shows that they ran."""
+    if not os.path.isdir(GSM8K):
+        pytest.skip(f"the shared GSM8K copy is not here ({GSM8K})")
+    return GSM8K
+
+
+def pytest_collection_finish(session):
+    GSM8K_TESTS.update(item.nodeid for item in session.items if "gsm8k" in getattr(item, "fixturenames", ()))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not GSM8K_TESTS:
+        return
+    outcomes = {}
+    for key, reports in terminalreporter.stats.items():
+        for r in reports:
+            if getattr(r, "nodeid", None) in GSM8K_TESTS and (r.when == "call" or r.outcome != "passed"):
+                outcomes[key] = outcomes.get(key, 0) + 1
+    found = "found" if os.path.isdir(GSM8K) else "NOT FOUND"
+    counts = ", ".join(f"{n} {key}" for key, n in sorted(outcomes.items()))
+    terminalreporter.write_line(f"shared GSM8K tests ({GSM8K}: {found}): {counts or 'none run'}")
 
 
 @pytest.fixture(scope="session")
@@ -33,9 +61,41 @@ def free_port():
 
 
 def torchrun_cmd(nproc, *args):
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(free_port()), os.path.join(ROOT, "grpo.py"), *map(str, args)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        os.path.join(ROOT, "grpo.py"),
+        *map(str, args),
+    ]
 
 
 def torchrun(nproc, *args, timeout=600):
     """Run grpo.py under real torchrun; returns the CompletedProcess (stdout+stderr in .stdout)."""
-    return subprocess.run(torchrun_cmd(nproc, *args), cwd=ROOT, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    return subprocess.run(
+        torchrun_cmd(nproc, *args),
+        cwd=ROOT,
+        env=os.environ.copy(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def children(pid):
+    """The ranks of a running torchrun job: torchrun starts each in a session of its own."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def rank_of(pid):
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    return int(env[b"RANK"])

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import lora  # noqa: E402
 from grpo import Rollout, parse_config, resolve, train_step  # noqa: E402
 from learner import Learner  # noqa: E402
 
@@ -25,6 +26,7 @@ CONFIGS = {
     "kl_tis": {"beta": 0.1, "tis_cap": 2.0, "overlong": "penalty", "overlong_buffer": 4},
     "cispo": {"objective": "cispo", "epsilon_high": 2.0, "loss_type": "bnpo"},
     "sapo": {"objective": "sapo", "importance": "sequence"},
+    "lora": {"lora_rank": 4, "beta": 0.1},  # the KL reference is the adapters switched off
 }
 
 # Micro-batches of 1, 2 or all sequences, or packed to a token budget (sequences here
@@ -67,16 +69,37 @@ def main():
     rollouts = fixed_rollouts(vocab=259)
     for name, overrides in CONFIGS.items():
         for split, sizes in SPLITS.items():
-            flags = {"model": model_path, "out_dir": out_dir, "learners": world, "prompts_per_step": 8, "group_size": 4, "max_new_tokens": 12, "max_prompt_len": 10, "max_grad_norm": 1e9, "beta": 0.0, **sizes, **overrides}
-            argv = [f"--{k.replace('_', '-')}={v}" if not isinstance(v, bool) else f"--{k.replace('_', '-')}" for k, v in flags.items()]
+            flags = {
+                "model": model_path,
+                "out_dir": out_dir,
+                "learners": world,
+                "prompts_per_step": 8,
+                "group_size": 4,
+                "max_new_tokens": 12,
+                "max_prompt_len": 10,
+                "max_grad_norm": 1e9,
+                "beta": 0.0,
+                **sizes,
+                **overrides,
+            }
+            argv = [
+                f"--{k.replace('_', '-')}={v}" if not isinstance(v, bool) else f"--{k.replace('_', '-')}"
+                for k, v in flags.items()
+            ]
             cfg = resolve(parse_config(argv), world_size=world + 1, has_gpu=False)
             torch.manual_seed(0)
-            learner = Learner(model_path, mesh, torch.device("cpu"), lr=0.0, reference=cfg.beta > 0)
-            learner.optimizer = torch.optim.SGD(learner.model.parameters(), lr=0.5)
+            adapters = (cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets.split(",")) if cfg.lora_rank else None
+            learner = Learner(model_path, mesh, torch.device("cpu"), lr=0.0, reference=cfg.beta > 0, lora=adapters)
+            learner.optimizer = torch.optim.SGD([p for p in learner.model.parameters() if p.requires_grad], lr=0.5)
             *_, grad_norm = train_step(cfg, learner, copy.deepcopy(rollouts), rank)
             state = {n: learner.full_tensor(n, torch.float32).clone() for n in learner.named_params}
+            if cfg.lora_rank:  # the merged policy, in Hugging Face names: what the samplers run
+                base = {lora.base_name(n): t for n, t in state.items() if not n.endswith(("lora_A", "lora_B"))}
+                state = dict(lora.merged_weights(base, state, cfg.lora_alpha / cfg.lora_rank))
             if rank == 0:
-                torch.save({"state": state, "grad_norm": grad_norm}, os.path.join(out_dir, f"{name}-{split}-L{world}.pt"))
+                torch.save(
+                    {"state": state, "grad_norm": grad_norm}, os.path.join(out_dir, f"{name}-{split}-L{world}.pt")
+                )
     dist.destroy_process_group()
 
 

@@ -80,6 +80,15 @@ def nap(completion, record):
     return 1.0
 
 
+def nap_logged(completion, record):
+    """nap, appending its start and end times to the file $NAP_LOG names: whether calls overlapped."""
+    start = time.time()
+    time.sleep(float(completion))
+    with open(os.environ["NAP_LOG"], "a") as f:
+        f.write(f"{start} {time.time()}\n")
+    return 1.0
+
+
 def crash(completion, record):
     """Kills its own process, as a segfaulting extension would."""
     os._exit(3)

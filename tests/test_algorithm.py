@@ -3,8 +3,8 @@ and the invariance of one optimizer step to how the work is split (real torchrun
 
 import glob
 import math
-import random
 import os
+import random
 import subprocess
 import sys
 
@@ -37,7 +37,20 @@ def ref_advantages(rewards, G, scale, eps=1e-4):
     return out
 
 
-def ref_loss(logp, old, adv, mask, loss_type, eps_low, eps_high, importance="token", max_new=None, ref=None, beta=0.0, tis_cap=0.0):
+def ref_loss(
+    logp,
+    old,
+    adv,
+    mask,
+    loss_type,
+    eps_low,
+    eps_high,
+    importance="token",
+    max_new=None,
+    ref=None,
+    beta=0.0,
+    tis_cap=0.0,
+):
     B, T = len(logp), len(logp[0])
     per_seq, total, tokens = [], 0.0, 0
     for i in range(B):
@@ -104,7 +117,9 @@ def test_advantages_match_loops(scale, seed):
     G = [2, 4, 8][seed % 3]
     rewards = torch.randint(0, 3, (G * 6,), generator=g).double()
     got = group_advantages(rewards, G, scale)
-    assert torch.allclose(got, torch.tensor(ref_advantages(rewards.tolist(), G, scale), dtype=torch.float64), atol=1e-10)
+    assert torch.allclose(
+        got, torch.tensor(ref_advantages(rewards.tolist(), G, scale), dtype=torch.float64), atol=1e-10
+    )
 
 
 # ---------------------------------------------------------------- losses
@@ -143,12 +158,29 @@ def test_loss_matches_loops(case, seed):
     logp, old, ref, adv, mask = random_batch(seed)
     eps_high = case.get("epsilon_high", 0.2)
     got, _ = policy_loss(logp, old, adv, mask, loss_config(**case), ref_logp=ref)
-    want = ref_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), case["loss_type"], 0.2, eps_high, case.get("importance", "token"), 7, ref.tolist(), case.get("beta", 0.0), case.get("tis_cap", 0.0))
+    want = ref_loss(
+        logp.tolist(),
+        old.tolist(),
+        adv.tolist(),
+        mask.tolist(),
+        case["loss_type"],
+        0.2,
+        eps_high,
+        case.get("importance", "token"),
+        7,
+        ref.tolist(),
+        case.get("beta", 0.0),
+        case.get("tis_cap", 0.0),
+    )
     assert got.item() == pytest.approx(want, rel=1e-10, abs=1e-12)
 
 
 # The other objectives, through the same aggregation and KL.
-ALL_CASES = CASES + [dict(loss_type="bnpo", objective="cispo", epsilon_high=0.3), dict(loss_type="dr_grpo", objective="sapo", beta=0.05), dict(objective="sapo", tis_cap=1.5)]
+ALL_CASES = CASES + [
+    dict(loss_type="bnpo", objective="cispo", epsilon_high=0.3),
+    dict(loss_type="dr_grpo", objective="sapo", beta=0.05),
+    dict(objective="sapo", tis_cap=1.5),
+]
 
 
 @pytest.mark.parametrize("case", ALL_CASES, ids=[str(c) for c in ALL_CASES])
@@ -157,7 +189,16 @@ def test_micro_batch_losses_sum_to_the_batch_loss(case):
     cfg = loss_config(**case)
     whole, _ = policy_loss(logp, old, adv, mask, cfg, ref_logp=ref)
     parts = sum(
-        policy_loss(logp[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2], cfg, ref_logp=ref[i : i + 2], num_sequences=6, num_tokens=mask.sum())[0]
+        policy_loss(
+            logp[i : i + 2],
+            old[i : i + 2],
+            adv[i : i + 2],
+            mask[i : i + 2],
+            cfg,
+            ref_logp=ref[i : i + 2],
+            num_sequences=6,
+            num_tokens=mask.sum(),
+        )[0]
         for i in range(0, 6, 2)
     )
     assert parts.item() == pytest.approx(whole.item(), rel=1e-12)
@@ -256,7 +297,9 @@ def test_cispo_matches_loop(seed):
     x = logp.clone().requires_grad_()
     loss, m = policy_loss(x, old, adv, mask, loss_config(objective="cispo", epsilon_high=0.1))
     loss.backward()
-    assert torch.allclose(x.grad, ref_cispo_gradient(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), 0.1), atol=1e-12)
+    assert torch.allclose(
+        x.grad, ref_cispo_gradient(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), 0.1), atol=1e-12
+    )
     assert 0 < m["clip_high_frac"] < mask.sum()  # the cap binds on some tokens, not all
 
 
@@ -275,7 +318,11 @@ def test_a_user_objective_loads_by_module_path():
     """--objective module:function: a user's objective plugs in without touching grpo.py."""
     logp, old, _, adv, mask = random_batch(1)
     loss, m = policy_loss(logp, old, adv, mask, loss_config(objective="user_objective:reinforce"))
-    want = sum(-adv[i].item() * logp[i][t].item() * mask[i][t].item() / mask[i].sum().item() for i in range(len(logp)) for t in range(logp.shape[1])) / len(logp)
+    want = sum(
+        -adv[i].item() * logp[i][t].item() * mask[i][t].item() / mask[i].sum().item()
+        for i in range(len(logp))
+        for t in range(logp.shape[1])
+    ) / len(logp)
     assert loss.item() == pytest.approx(want, rel=1e-10) and "ratio_mean" in m
 
 
@@ -297,12 +344,23 @@ def test_one_step_is_invariant_to_learners_and_micro_batches(tiny_model, tmp_pat
 
     worker = os.path.join(ROOT, "tests", "invariance_worker.py")
     for n in (1, 2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port", str(free_port()), worker, tiny_model, str(tmp_path)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(n),
+            "--master-port",
+            str(free_port()),
+            worker,
+            tiny_model,
+            str(tmp_path),
+        ]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-4000:]
     initial = load_file(os.path.join(tiny_model, "model.safetensors"))
     names = sorted({os.path.basename(f).split("-")[0] for f in glob.glob(str(tmp_path / "*.pt"))})
-    assert names == ["bnpo", "cispo", "dapo", "dr_grpo", "grpo", "gspo", "kl_tis", "sapo"]
+    assert names == ["bnpo", "cispo", "dapo", "dr_grpo", "grpo", "gspo", "kl_tis", "lora", "sapo"]
     for name in names:
         runs = {os.path.basename(f): torch.load(f)["state"] for f in sorted(glob.glob(str(tmp_path / f"{name}-*.pt")))}
         assert len(runs) == 10
@@ -311,7 +369,10 @@ def test_one_step_is_invariant_to_learners_and_micro_batches(tiny_model, tmp_pat
         assert moved > 1e-3, f"{name}: the step did not move the weights"
         worst = max((w[k] - first[k]).abs().max().item() for w in runs.values() for k in first)
         print(f"{name}: moved {moved:.3g}, max diff across splits {worst:.2e}")
-        assert worst < 1e-6, name
+        # float32 summation order only (measured 6e-7 to 1.0e-6: BLAS blocks a matmul by its
+        # row count, so micro-batches of other sizes round differently); a wrong normaliser
+        # or a dropped micro-batch moves the weights by 1e-3 and more.
+        assert worst < 2e-6, name
 
 
 def test_packing_keeps_every_sequence_within_the_budget_and_pads_little():

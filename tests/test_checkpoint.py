@@ -12,9 +12,26 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, torchrun, torchrun_cmd
+from conftest import ROOT, children, torchrun, torchrun_cmd
 
-FAST = ["--learners", 2, "--prompts-per-step", 4, "--group-size", 4, "--max-new-tokens", 16, "--eval-every", 0, "--beta", 0, "--max-staleness", 0]
+FAST = [
+    "--learners",
+    2,
+    "--prompts-per-step",
+    4,
+    "--group-size",
+    4,
+    "--max-new-tokens",
+    16,
+    "--eval-every",
+    0,
+    "--beta",
+    0,
+    "--max-staleness",
+    0,
+    "--dtype",
+    "float32",
+]
 
 
 def rows(out_dir):
@@ -28,9 +45,16 @@ def weights(path):
     return load_file(os.path.join(path, "model.safetensors"))
 
 
-def start(out, *args):
-    """torchrun in its own session, so the whole job can be killed at once."""
-    return subprocess.Popen(torchrun_cmd(3, *FAST, "--out-dir", out, *args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+def start(out, *args, exits=None):
+    """torchrun in its own session. With `exits` (a folder), each rank runs under
+    tests/exit_status.py, which writes its exit status to exits/rank_<RANK>."""
+    cmd = torchrun_cmd(3, *FAST, "--out-dir", out, *args)
+    if exits is not None:
+        script = cmd.index(os.path.join(ROOT, "grpo.py"))
+        cmd[script:script] = [os.path.join(ROOT, "tests", "exit_status.py"), str(exits)]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def wait_for(condition, proc, timeout=300, poll=0.05):
@@ -68,31 +92,78 @@ def test_resume_after_kill_equals_an_uninterrupted_run(tiny_model, tmp_path):
     assert diff < 1e-6
 
 
+def frozen(pid):
+    """Whether every thread of pid is stopped (a SIGSTOP takes effect asynchronously)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:  # a thread that has just exited
+            continue
+        if state not in "tT":
+            return False
+    return True
+
+
 def test_kill_during_save_keeps_the_previous_checkpoint(tiny_model, tmp_path):
     out = tmp_path / "run"
     proc = start(out, "--steps", 1000, "--save-every", 1, "--keep-last", 2)
     root = out / "checkpoints"
-    # kill while a checkpoint is half written, once an earlier one is complete
-    wait_for(lambda: latest(out) is not None and any(d.endswith(".tmp") for d in os.listdir(root)), proc, poll=0.005)
+
+    def partial():
+        return [d for d in os.listdir(root) if d.startswith("step_") and d.endswith(".tmp")] if root.exists() else []
+
+    # Once a checkpoint is half written (step_<k>.tmp, after an earlier one is complete),
+    # freeze every rank and check that it still is, then kill them frozen: the kill lands
+    # inside the save for certain. A save that completes before the freeze is let go, and
+    # a later step's save is tried.
+    for attempt in range(20):
+        wait_for(lambda: latest(out) is not None and partial(), proc, poll=0.002)
+        ranks = children(proc.pid)
+        for pid in ranks:
+            os.killpg(pid, signal.SIGSTOP)  # each rank leads a session of its own
+        wait_for(lambda: all(frozen(pid) for pid in ranks), proc, timeout=10, poll=0.01)
+        caught, done = partial(), latest(out)
+        if caught:
+            break
+        for pid in ranks:
+            os.killpg(pid, signal.SIGCONT)
+    assert caught, "no save was caught half written in 20 tries"
+    for pid in ranks:
+        os.killpg(pid, signal.SIGKILL)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    done = latest(out)
+    print(f"killed inside the save of {caught[0]} (try {attempt + 1}); latest: {done}")
+    # The kill landed inside the save: its folder is still the temporary one, and
+    # `latest` still names the previous checkpoint, complete.
+    (k,) = [int(d[5:-4]) for d in caught]
+    assert partial() == caught and not (root / f"step_{k}").exists()
+    assert latest(out) == done == f"step_{k - 1}"
     assert (root / done / "trainer.json").exists() and (root / done / "train_state" / ".metadata").exists()
-    assert len([d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp")]) <= 3
-    step = int(done[5:])
-    result = torchrun(3, *FAST, "--steps", step + 1, "--out-dir", out, "--resume")
+    assert len([d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp")]) <= 2
+    result = torchrun(3, *FAST, "--steps", k, "--out-dir", out, "--resume")
     assert result.returncode == 0, result.stdout[-3000:]
-    assert [r["step"] for r in rows(out)] == list(range(step + 1))
+    assert [r["step"] for r in rows(out)] == list(range(k))
 
 
-@pytest.mark.parametrize("staleness", [0, 1])
-def test_sigterm_checkpoints_and_exits_with_the_preemption_code(tiny_model, tmp_path, staleness):
-    out = tmp_path / "run"
-    proc = start(out, "--steps", 1000, "--max-staleness", staleness)
+@pytest.mark.parametrize("staleness, signalled", [(0, "torchrun"), (1, "job")])
+def test_preemption_checkpoints_and_every_rank_exits_with_75(tiny_model, tmp_path, staleness, signalled):
+    """SIGTERM to torchrun alone, which forwards it to every rank (S=0), or SIGINT to
+    every process of the job at once, torchrun and each rank's own process group, as a
+    scheduler sends it (S=1): every rank exits with 75 once the checkpoint is saved, and
+    torchrun with 1, naming the signal it got."""
+    out, exits = tmp_path / "run", tmp_path / "exits"
+    exits.mkdir()
+    proc = start(out, "--steps", 1000, "--max-staleness", staleness, exits=exits)
     wait_for(lambda: (out / "metrics.jsonl").exists() and len(rows(out)) >= 2, proc)
-    proc.send_signal(signal.SIGTERM)  # to torchrun, which forwards it to every rank
+    sig = signal.SIGTERM if signalled == "torchrun" else signal.SIGINT
+    for pid in children(proc.pid) if signalled == "job" else []:
+        os.killpg(pid, sig)
+    os.killpg(proc.pid, sig)
     output, _ = proc.communicate(timeout=90)
-    assert "exitcode  : 75" in output or "exit 75" in output, output[-3000:]
+    status = {f: int((exits / f).read_text()) for f in sorted(os.listdir(exits))}
+    assert status == {"rank_0": 75, "rank_1": 75, "rank_2": 75}, (status, output[-3000:])
+    assert proc.returncode == 1 and f"got signal: {int(sig)}" in output, output[-3000:]
     done = latest(out)
     assert done is not None
     step = int(done[5:])
@@ -103,10 +174,24 @@ def test_existing_run_is_refused_and_bad_checkpoints_are_named(tiny_model, tmp_p
     out = tmp_path / "run"
     result = torchrun(3, *FAST, "--steps", 2, "--save-every", 2, "--out-dir", out)
     assert result.returncode == 0, result.stdout[-3000:]
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "WORLD_SIZE": "3",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "3",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+    }
 
     def direct(*args):
-        return subprocess.run([sys.executable, os.path.join(ROOT, "grpo.py"), *map(str, [*FAST[:2], "--out-dir", out, *args])], env=env, capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, os.path.join(ROOT, "grpo.py"), *map(str, [*FAST[:2], "--out-dir", out, *args])],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     r = direct("--steps", 4)
     assert r.returncode == 2 and "already holds a run" in r.stderr and "--resume" in r.stderr
@@ -128,7 +213,7 @@ import json, sys
 from sampler import Sampler
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
-engine = Sampler(sys.argv[1], 256, seed=0)
+engine = Sampler(sys.argv[1], 256, seed=0, dtype="float32")
 ids = json.loads(sys.argv[2])
 out = engine.llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
 print("LOGPROBS", json.dumps([lp[t].logprob for t, lp in zip(ids[1:], out.prompt_logprobs[1:])]))
@@ -149,7 +234,13 @@ def test_checkpoint_loads_in_transformers_and_vllm_alike(tiny_model, tmp_path):
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
     hf = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-    run = subprocess.run([sys.executable, "-c", VLLM_LOGPROBS, str(ckpt), json.dumps(ids)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", VLLM_LOGPROBS, str(ckpt), json.dumps(ids)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     line = next((x for x in run.stdout.splitlines() if x.startswith("LOGPROBS")), None)
     assert line, run.stderr[-3000:]
     vllm = torch.tensor(json.loads(line[len("LOGPROBS ") :]))
@@ -160,7 +251,9 @@ def test_checkpoint_loads_in_transformers_and_vllm_alike(tiny_model, tmp_path):
 
 def test_non_finite_steps_are_skipped_then_abort(tiny_model, tmp_path):
     out = tmp_path / "run"
-    result = torchrun(3, *FAST, "--steps", 10, "--rewards", "accuracy,tests.nan_reward:nan", "--max-skips", 2, "--out-dir", out)
+    result = torchrun(
+        3, *FAST, "--steps", 10, "--rewards", "accuracy,tests.nan_reward:nan", "--max-skips", 2, "--out-dir", out
+    )
     assert result.returncode != 0
     assert "2 consecutive steps with a non-finite loss or grad norm" in result.stdout
     metrics = rows(out)

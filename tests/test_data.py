@@ -6,7 +6,6 @@ from task_rewards import write_task
 
 import data
 import tiny
-from conftest import GSM8K
 from rewards import gsm8k_accuracy, gsm8k_format, parse_gsm8k_answer, parse_reward_spec
 
 
@@ -51,7 +50,7 @@ def test_bad_rows_are_counted_per_cause(capsys):
     ]
     kept = data.clean_rows(rows, "mine")
     assert kept == [rows[0], rows[5]]  # whole rows, every column
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "skipped 4 bad rows" in out
     causes = [
         "1 missing 'answer' field (reward accuracy)",
@@ -107,7 +106,7 @@ def test_any_dataset_its_own_columns_and_rows_checked_for_its_rewards(tmp_path, 
     assert all(r["prompt"] == r["problem"] for r in records)
     text = tokenizer.decode(records[0]["prompt_ids"])
     assert text == f"<|im_start|>user\n{rows[0]['problem']}<|im_end|>\n<|im_start|>assistant\n"  # no GSM8K instruction
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "skipped 5 bad rows" in out
     causes = [
         "1 missing 'tests' field (reward tests.task_rewards:passes_tests)",
@@ -141,7 +140,7 @@ def test_chat_messages_build_the_prompt(tmp_path, tokenizer, capsys):
     assert first.startswith("<|im_start|>system\nBe brief.<|im_end|>")  # the row's own system message
     assert data.SYSTEM_PROMPT not in first
     assert second.startswith(f"<|im_start|>system\n{data.SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\nAdd 1 and 1.")
-    assert "2 empty or malformed 'messages'" in capsys.readouterr().out
+    assert "2 empty or malformed 'messages'" in capsys.readouterr().err
     # a prompt field may itself hold the messages (TRL's conversational "prompt"), and the field may be renamed
     path.write_text(json.dumps({"prompt": [{"role": "user", "content": "Hi"}], "answer": "#### 1"}))
     assert data.load_prompts(str(path), "train", tokenizer, 512, prompt_field="prompt")[0]["prompt"] == "Hi"
@@ -179,7 +178,7 @@ def test_long_prompts_dropped_and_counted(tokenizer, capsys):
     records = [{"question": "short", "gold": "1"}, {"question": "long " * 200, "gold": "2"}]
     kept = data.build_prompts(records, tokenizer, 200, "src")
     assert [r["gold"] for r in kept] == ["1"]
-    assert "dropped 1 prompts longer than 200" in capsys.readouterr().out
+    assert "dropped 1 prompts longer than 200" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="every prompt is longer"):
         data.build_prompts(records, tokenizer, 10, "src")
 
@@ -198,20 +197,16 @@ def test_step_order_depends_only_on_seed_and_step():
 
 def test_shards_are_disjoint_and_keep_groups_together():
     batch = list(range(8))
-    shards = [data.shard(batch, r, 4) for r in range(4)]
-    assert sum(shards, []) == batch
-    group_size = 3
-    completions = [p for p in batch for _ in range(group_size)]
-    for r in range(2):
-        prompts = data.shard(batch, r, 2)
-        mine = [p for p in prompts for _ in range(group_size)]
-        assert mine == completions[r * 12 : (r + 1) * 12]
+    assert [data.shard(batch, r, 4) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [data.shard(batch, r, 2) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # a group's completions (3 per prompt, laid out prompt by prompt) never straddle two learners
+    completions = [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4, 5, 5, 5, 6, 6, 6, 7, 7, 7]
+    assert data.shard(completions, 0, 2) == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert data.shard(completions, 1, 4) == [2, 2, 2, 3, 3, 3]
 
 
-def test_real_gsm8k_loads(tokenizer):
-    path = os.path.join(GSM8K, "train.jsonl")
-    if not os.path.exists(path):
-        pytest.skip("the shared GSM8K copy is not here")
+def test_real_gsm8k_loads(tokenizer, gsm8k):
+    path = os.path.join(gsm8k, "train.jsonl")
     prompts = data.load_prompts(path, "train", tokenizer, 4096)
     assert len(prompts) == 7473
     assert all(parse_gsm8k_answer(p["answer"]) is not None for p in prompts)

@@ -4,18 +4,50 @@ the weight broadcast group and the rollout group."""
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
-import torch
 
-from conftest import ROOT, torchrun, torchrun_cmd
+from conftest import ROOT, children, rank_of, torchrun, torchrun_cmd
 
-REQUIRED = ["step", "reward_mean", "accuracy", "format", "completion_len", "loss", "grad_norm", "sample_s", "train_s", "sync_s", "step_s", "mismatch_max", "staleness", "padded_frac", "peak_memory_mb_learner", "peak_memory_mb_sampler"]
-FAST = ["--prompts-per-step", 4, "--group-size", 4, "--max-new-tokens", 16, "--eval-every", 0, "--beta", 0, "--max-staleness", 0]
+REQUIRED = [
+    "step",
+    "reward_mean",
+    "accuracy",
+    "format",
+    "completion_len",
+    "loss",
+    "grad_norm",
+    "sample_s",
+    "train_s",
+    "sync_s",
+    "step_s",
+    "mismatch_max",
+    "staleness",
+    "padded_frac",
+    "peak_memory_mb_learner",
+    "peak_memory_mb_sampler",
+]
+FAST = [
+    "--prompts-per-step",
+    4,
+    "--group-size",
+    4,
+    "--max-new-tokens",
+    16,
+    "--eval-every",
+    0,
+    "--beta",
+    0,
+    "--max-staleness",
+    0,
+    "--dtype",
+    "float32",
+]
 
 
 def rows(out_dir):
@@ -29,11 +61,49 @@ def weights(path):
     return load_file(os.path.join(path, "model.safetensors"))
 
 
-def test_three_ranks_train_and_sync(tiny_model, tmp_path):
-    out = tmp_path / "run"
-    result = torchrun(3, "--learners", 2, "--steps", 3, *FAST, "--out-dir", out)
+# The on-policy run and the one-step-ahead run share every flag but --max-staleness (and
+# what the second saves), so their steps compare: the same seed, data order and evals.
+# A large LR and no warm-up, so that one step changes what the policy samples.
+PAIR = [
+    "--learners",
+    2,
+    *FAST,
+    "--lr",
+    1e-2,
+    "--warmup-steps",
+    0,
+    "--samples-every",
+    1,
+    "--eval-every",
+    2,
+    "--eval-size",
+    8,
+]
+
+
+@pytest.fixture(scope="module")
+def on_policy(tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("on_policy") / "run"
+    result = torchrun(3, *PAIR, "--steps", 3, "--out-dir", out)
     assert result.returncode == 0, result.stdout[-5000:]
-    metrics = rows(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_step_ahead(tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one_step_ahead") / "run"
+    result = torchrun(3, *PAIR, "--steps", 4, "--max-staleness", 1, "--save-every", 1, "--out-dir", out)
+    assert result.returncode == 0, result.stdout[-5000:]
+    return out
+
+
+def train_rows(out_dir):
+    return [r for r in rows(out_dir) if "loss" in r]
+
+
+def test_three_ranks_train_and_sync(tiny_model, on_policy):
+    out = on_policy
+    metrics = train_rows(out)
     assert [r["step"] for r in metrics] == [0, 1, 2]
     for r in metrics:
         assert all(k in r for k in REQUIRED), sorted(r)
@@ -66,13 +136,10 @@ def test_two_samplers_feed_two_learners(tiny_model, tmp_path):
     assert "eval accuracy" in result.stdout
 
 
-def test_samplers_run_one_step_ahead(tiny_model, tmp_path):
+def test_samplers_run_one_step_ahead(one_step_ahead):
     """--max-staleness 1: step k+1 is sampled with step k's weights while step k trains;
     the first step samples fresh weights, and every eval sees the weights of its step."""
-    out = tmp_path / "run"
-    result = torchrun(3, "--learners", 2, "--steps", 4, *FAST, "--max-staleness", 1, "--eval-every", 2, "--eval-size", 8, "--out-dir", out)
-    assert result.returncode == 0, result.stdout[-5000:]
-    metrics = rows(out)
+    metrics = rows(one_step_ahead)
     train = [r for r in metrics if "loss" in r]
     assert [r["staleness"] for r in train] == [0, 1, 1, 1]
     assert train[0]["mismatch_max"] < 1e-4  # fresh weights at the first step
@@ -80,11 +147,72 @@ def test_samplers_run_one_step_ahead(tiny_model, tmp_path):
     assert [r["step"] for r in metrics if "eval_accuracy" in r] == [0, 2, 4]
 
 
+def test_one_step_ahead_widens_the_sampler_learner_gap(on_policy, one_step_ahead):
+    """The same seed and flags: at step 0 both runs score rollouts of the weights they
+    hold; from step 1 on, one step ahead, the learners score rollouts drawn before their
+    last update, and the gap between the sampler's and the learners' log-probs grows from
+    numerical noise to one step's change of the policy."""
+    s0, s1 = train_rows(on_policy), train_rows(one_step_ahead)
+    print("mismatch_mean S=0:", [r["mismatch_mean"] for r in s0], "S=1:", [r["mismatch_mean"] for r in s1])
+    assert s1[0]["mismatch_max"] < 1e-4
+    for a, b in zip(s0[1:], s1[1:]):
+        assert b["mismatch_mean"] > 1e-3 and b["mismatch_mean"] > 100 * a["mismatch_mean"], (
+            a["mismatch_mean"],
+            b["mismatch_mean"],
+        )
+        assert b["mismatch_max"] > 10 * a["mismatch_max"]
+
+
+def drawn(out_dir, step):
+    """What a run sampled at `step`: the completions samples.jsonl keeps, and the step's
+    totals over all of them."""
+    completions = [json.loads(line) for line in open(os.path.join(out_dir, "samples.jsonl"))]
+    (row,) = [r for r in train_rows(out_dir) if r["step"] == step]
+    return [c for c in completions if c["step"] == step], {
+        k: row[k] for k in ("reward_mean", "tokens_sampled", "completion_len", "truncated_frac")
+    }
+
+
+def test_one_step_ahead_draws_step_k_plus_1_with_step_k_weights(on_policy, one_step_ahead, tmp_path):
+    """The behaviour behind staleness 1, checked by reproducing it. W_k, the weights
+    after k updates, is checkpoint step_k. Step 0 is the same in both runs, so W_1 is
+    too; at step 1 the on-policy run draws with W_1 and the one-step-ahead run, still on
+    W_0, draws otherwise (so the draws tell the weights apart). Its step 2 was drawn with
+    W_1: an on-policy run that resumes from step_1, numbered as step 2 so that it draws
+    step 2's prompts with step 2's seeds, draws exactly the same."""
+    assert drawn(on_policy, 0) == drawn(one_step_ahead, 0)
+    assert drawn(on_policy, 1)[0] != drawn(one_step_ahead, 1)[0]
+    ckpt = tmp_path / "step_1_as_2"
+    shutil.copytree(one_step_ahead / "checkpoints" / "step_1", ckpt)
+    trainer = json.loads((ckpt / "trainer.json").read_text())
+    assert trainer["step"] == 1
+    (ckpt / "trainer.json").write_text(json.dumps({**trainer, "step": 2}))
+    replay = tmp_path / "replay"
+    result = torchrun(3, *PAIR, "--eval-every", 0, "--steps", 3, "--resume", ckpt, "--out-dir", replay)
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert [r["staleness"] for r in train_rows(replay)] == [0]
+    assert drawn(replay, 2) == drawn(one_step_ahead, 2)
+
+
 def run_direct(*args, world=3):
     """grpo.py as rank 0 of a pretend torchrun world: config errors must come out
     before it ever connects to the store or loads a model."""
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
-    return subprocess.run([sys.executable, os.path.join(ROOT, "grpo.py"), *map(str, args)], env=env, capture_output=True, text=True, timeout=120)
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+    }
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "grpo.py"), *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize(
@@ -128,25 +256,22 @@ def test_report_to_a_missing_package_fails_at_start(package):
 
 def test_not_under_torchrun():
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "grpo.py")], env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "grpo.py")], env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 2 and "torchrun" in result.stderr
-
-
-def children(pid):
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(p) for p in f.read().split()]
-
-
-def rank_of(pid):
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-    return int(env[b"RANK"])
 
 
 @pytest.mark.parametrize("victim", [1, 2], ids=["learner", "sampler"])
 def test_killed_rank_brings_the_job_down(tiny_model, tmp_path, victim):
     out = tmp_path / "run"
-    proc = subprocess.Popen(torchrun_cmd(3, "--learners", 2, "--steps", 1000, *FAST, "--out-dir", out), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        torchrun_cmd(3, "--learners", 2, "--steps", 1000, *FAST, "--out-dir", out),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.time() + 300
         while not (out / "metrics.jsonl").exists() or not rows(out):

@@ -25,7 +25,9 @@ def test_grpo_improves_accuracy(tiny_model, tmp_path):
     evals = [r for r in metrics if "eval_accuracy" in r]
     assert [r["step"] for r in evals] == [0, steps]
     before, after = evals[0]["eval_accuracy"], evals[-1]["eval_accuracy"]
-    print(f"train accuracy {first:.3f} (steps 0-9) -> {last:.3f} (steps {steps - 10}-{steps - 1}); held-out greedy {before:.3f} -> {after:.3f}")
+    print(
+        f"train accuracy {first:.3f} (steps 0-9) -> {last:.3f} (steps {steps - 10}-{steps - 1}); held-out greedy {before:.3f} -> {after:.3f}"
+    )
     # The warm-up leaves the model at chance (10 possible answers). Each 10-step window
     # holds 2560 sampled answers, so a chance-level mean has a standard error of 0.006:
     # a gain of 0.08 is over 13 of them. The held-out set is smaller and noisier.
@@ -38,7 +40,20 @@ def test_grpo_improves_accuracy(tiny_model, tmp_path):
 
 def test_eval_only_on_a_saved_policy(tiny_model, tmp_path):
     out = tmp_path / "eval"
-    result = torchrun(2, "--learners", 1, "--eval-only", "--model", tiny_model, "--dataset", "synthetic", "--eval-size", 16, "--out-dir", out)
+    result = torchrun(
+        2,
+        "--learners",
+        1,
+        "--eval-only",
+        "--model",
+        tiny_model,
+        "--dataset",
+        "synthetic",
+        "--eval-size",
+        16,
+        "--out-dir",
+        out,
+    )
     assert result.returncode == 0, result.stdout[-5000:]
     (row,) = rows(out)
     assert row["step"] == 0 and 0 <= row["eval_accuracy"] <= 1 and row["eval_format"] > 0.5
@@ -46,11 +61,28 @@ def test_eval_only_on_a_saved_policy(tiny_model, tmp_path):
 
 
 def test_plot_from_metrics(tmp_path):
-    lines = [{"step": s, "reward_mean": s / 10, "accuracy": s / 20, "sync_s": 0.1, "sample_s": 0.5, "reward_s": 0.01, "wait_s": 0.5, "train_s": 1.0} for s in range(5)]
+    lines = [
+        {
+            "step": s,
+            "reward_mean": s / 10,
+            "accuracy": s / 20,
+            "sync_s": 0.1,
+            "sample_s": 0.5,
+            "reward_s": 0.01,
+            "wait_s": 0.5,
+            "train_s": 1.0,
+        }
+        for s in range(5)
+    ]
     lines[0]["eval_accuracy"] = 0.1
     lines.append({"step": 5, "eval_accuracy": 0.4, "eval_format": 1.0, "eval_length": 10})
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "grpo.py"), "plot", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "grpo.py"), "plot", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     with open(tmp_path / "curves.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -12,15 +12,37 @@ from conftest import ROOT, free_port
 def test_two_nodes_form_one_job(tiny_model, tmp_path):
     out = tmp_path / "run"
     port = free_port()
-    flags = ["--steps", 2, "--prompts-per-step", 3, "--group-size", 4, "--max-new-tokens", 16, "--eval-every", 0, "--beta", 0]
+    flags = [
+        "--steps",
+        2,
+        "--prompts-per-step",
+        3,
+        "--group-size",
+        4,
+        "--max-new-tokens",
+        16,
+        "--eval-every",
+        0,
+        "--beta",
+        0,
+    ]
     flags += ["--max-staleness", 0, "--dtype", "float32", "--out-dir", out]
     nodes = []
     for node in (0, 1):
         # 2 ranks per node, 1 learner: rank 0 learns; ranks 1 (node 0), 2 and 3 (node 1) sample.
-        env = {**os.environ, "PYTHON": sys.executable, "NNODES": "2", "NODE_RANK": str(node), "NPROC": "2", "LEARNERS": "1"}
+        env = {
+            **os.environ,
+            "PYTHON": sys.executable,
+            "NNODES": "2",
+            "NODE_RANK": str(node),
+            "NPROC": "2",
+            "LEARNERS": "1",
+        }
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         cmd = ["bash", os.path.join(ROOT, "launch.sh"), *map(str, flags)]
-        nodes.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        nodes.append(
+            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
     outputs = [p.communicate(timeout=600)[0] for p in nodes]
     for node, (p, output) in enumerate(zip(nodes, outputs)):
         assert p.returncode == 0, f"node {node}:\n{output[-4000:]}"

@@ -1,9 +1,12 @@
 """Where ranks run on GPUs, decided by pure functions and checked over many simulated
 layouts: no GPU here, so this is how the GPU layouts are proven before any GPU run."""
 
+import os
+
 import pytest
 
 from comm import default_layout, placement, visible_gpus
+from conftest import ROOT
 from grpo import parse_config, resolve
 
 
@@ -60,7 +63,9 @@ def test_one_gpu_shared_by_a_learner_and_a_sampler():
     assert sampler.sampler_gpu_memory == pytest.approx(0.3) and learner.sampler_gpu_memory == 0.0
 
 
-@pytest.mark.parametrize("visible, expected", [("0,1", ["0", "1"]), ("2,3", ["2", "3"]), ("GPU-aa11,GPU-bb22", ["GPU-aa11", "GPU-bb22"])])
+@pytest.mark.parametrize(
+    "visible, expected", [("0,1", ["0", "1"]), ("2,3", ["2", "3"]), ("GPU-aa11,GPU-bb22", ["GPU-aa11", "GPU-bb22"])]
+)
 def test_cuda_visible_devices_on_an_eight_gpu_host(tmp_path, visible, expected):
     driver = tmp_path / "gpus"
     driver.mkdir()
@@ -121,3 +126,27 @@ def test_samplers_sharing_a_gpu_split_its_memory():
     assert backend == "gloo"  # two samplers on one GPU: not NCCL
     assert [p.gpu for p in places] == ["0", "1", "1", "1"]
     assert [round(p.sampler_gpu_memory, 3) for p in places[1:]] == [0.267, 0.267, 0.267]
+
+
+def recipe_flags(path):
+    """The recipe script's environment (NPROC, LEARNERS) and grpo.py flags, read from its
+    `... exec bash launch.sh \\` command."""
+    text = open(path).read().replace("\\\n", " ")
+    command = next(line for line in text.splitlines() if "exec bash launch.sh" in line)
+    env, _, flags = command.partition("exec bash launch.sh")
+    return dict(kv.split("=") for kv in env.split()), [f for f in flags.split() if f != '"$@"']
+
+
+def test_the_seed_recipe_is_a_valid_eight_gpu_run():
+    env, flags = recipe_flags(os.path.join(ROOT, "recipes", "qwen3_5_4b_gsm8k.sh"))
+    nproc, learners = int(env["NPROC"]), int(env["LEARNERS"])
+    assert (nproc, learners) == (8, 4)
+    cfg = resolve(
+        parse_config(["--learners", str(learners), *flags[:-2], "--out-dir", "/nonexistent/run"]), nproc, True
+    )
+    assert (cfg.model, cfg.dataset, cfg.prompts_per_step, cfg.group_size) == ("Qwen/Qwen3.5-4B", "gsm8k", 8, 8)
+    assert (cfg.max_new_tokens, cfg.epsilon, cfg.rewards, cfg.dtype) == (4096, 0.2, "accuracy,format", "bfloat16")
+    assert cfg.max_tokens_per_microbatch >= cfg.max_prompt_len + 4096  # one whole sequence fits a micro-batch
+    slot, backend = check(layout(1, nproc, learners, EIGHT), nproc, learners, EIGHT)
+    assert len(set(slot)) == 8 and backend == "nccl"
+    assert all(p.sampler_gpu_memory == pytest.approx(0.8) for p in layout(1, nproc, learners, EIGHT)[learners:])

@@ -40,7 +40,11 @@ def test_cpu_bf16_is_read_from_the_flags(tmp_path):
 def test_parameters_kept_in_float32_travel_in_float32():
     """A gated delta net's A_log stays float32 in a bf16 engine: the bucket plan gives it
     a float32 bucket of its own, and the rest travels in bf16."""
-    plan = [(f"model.layers.{i}.{leaf}", torch.Size([4, 4])) for i in range(2) for leaf in ("linear_attn.A_log", "linear_attn.in_proj.weight", "mlp.up_proj.weight")]
+    plan = [
+        (f"model.layers.{i}.{leaf}", torch.Size([4, 4]))
+        for i in range(2)
+        for leaf in ("linear_attn.A_log", "linear_attn.in_proj.weight", "mlp.up_proj.weight")
+    ]
     kept = {"linear_attn.A_log": torch.float32}
     buckets = bucket_plan(plan, lambda name: wire_dtype(name, torch.bfloat16, kept), bucket_bytes=10**9)
     assert [(d, [n.split(".", 3)[-1] for n, _ in b]) for d, b in buckets] == [
@@ -101,7 +105,9 @@ def test_bf16_run_keeps_sampler_and_learner_close(tiny_model, tmp_path):
     assert result.returncode == 0, result.stdout[-4000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2]
-    print("bf16 mismatch mean/max per step:", [(round(r["mismatch_mean"], 5), round(r["mismatch_max"], 4)) for r in rows])
+    print(
+        "bf16 mismatch mean/max per step:", [(round(r["mismatch_mean"], 5), round(r["mismatch_max"], 4)) for r in rows]
+    )
     for r in rows:
         assert r["mismatch_mean"] < 5e-3 and r["mismatch_max"] < 0.2, r
         assert r["grad_norm"] > 0

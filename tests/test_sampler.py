@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import ROOT, free_port
 from comm import receive_weights
+from conftest import ROOT, free_port
 from sampler import Sampler
 
 
@@ -33,7 +33,10 @@ def hf_logprobs(model, completions):
 
 
 def max_gap(model, completions):
-    return max((lp - torch.tensor(c["sampler_logprobs"])).abs().max().item() for lp, c in zip(hf_logprobs(model, completions), completions))
+    return max(
+        (lp - torch.tensor(c["sampler_logprobs"])).abs().max().item()
+        for lp, c in zip(hf_logprobs(model, completions), completions)
+    )
 
 
 def prompts(engine, n=4):
@@ -101,7 +104,9 @@ def sync_and_compare(engine, model_path):
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
     bucket_bytes = 200_000  # several buckets, each holding several tensors
     cmd = [sys.executable, "-c", SENDER, model_path, str(port), ROOT, str(bucket_bytes)]
-    sender = subprocess.Popen(cmd, cwd=os.path.join(ROOT, "tests"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sender = subprocess.Popen(
+        cmd, cwd=os.path.join(ROOT, "tests"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     pg = dist.ProcessGroupGloo(dist.PrefixStore("w", store), 1, 2, timedelta(seconds=120))
     buckets = bucket_plan(weight_plan(model_path), lambda name: torch.float32, bucket_bytes)
     engine.load_weights(receive_weights(pg, buckets, torch.device("cpu")))
@@ -126,7 +131,17 @@ def test_tied_embeddings_sync_the_output_layer_too(tmp_path):
     import tiny
 
     tokenizer = tiny.build_tiny_tokenizer()
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     path = str(tmp_path / "tied")
     Qwen2ForCausalLM(config).save_pretrained(path)
