@@ -2,6 +2,7 @@
 the pickled exchange of rollouts, the go/stop flag, and both sides of the weight sync
 (the bucket plan that learner 0 and the samplers share, the broadcast, the receive)."""
 
+import ctypes
 import json
 import os
 import pickle
@@ -144,8 +145,6 @@ def die_with_parent():
     (kill -9, an OOM kill) would leave the ranks running on their own. Linux can tie a
     process's life to its parent's."""
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass  # not Linux: a killed torchrun may leave ranks behind

@@ -15,6 +15,8 @@ import sys
 import traceback
 from datetime import timedelta
 
+from tqdm import tqdm
+
 VERBOSE = "GRPO_VERBOSE"  # 1: every rank's output on the console, as before
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 TAIL_LINES = 12  # of a failed rank's log, on the console
@@ -41,8 +43,6 @@ def stream():
 
 def say(text):
     """A line (or a few) on the console, above a progress bar if one is shown there."""
-    from tqdm import tqdm
-
     try:
         tqdm.write(text, file=stream())
     except (OSError, ValueError):  # the console went away (a closed pipe): the log still has it
@@ -142,8 +142,6 @@ def _stop_bars(close):
     """A rank that stops early ends its progress bar where it stands: closed (its line
     finished) before it says why, or else frozen, since tqdm would draw it once more at
     exit, after another rank's lines."""
-    from tqdm import tqdm
-
     for bar in list(getattr(tqdm, "_instances", ())):
         if close:
             bar.close()

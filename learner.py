@@ -2,11 +2,15 @@
 forward/backward over micro-batches, grad clipping and the optimizer step, its full
 parameters for the weight sync, and its state for checkpoints."""
 
+import json
 import os
+import shutil
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -16,9 +20,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import lora as lora_module
+import metrics
+from comm import checkpoint_files
 
 
 def load_sharded(model_path, mesh, device, compute_dtype, gradient_checkpointing=False, frozen=False, adapters=None):
@@ -243,15 +249,6 @@ def restore_architecture(saved, source):
     model did not write (a vision tower, MTP layers) in a shard of their own, untouched,
     with an index over both. A text checkpoint is left as it is. Returns the names
     carried over."""
-    import json
-    import shutil
-
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-    from transformers import AutoConfig
-
-    from comm import checkpoint_files
-
     config = AutoConfig.from_pretrained(source)
     if config.get_text_config() is config:
         return []
@@ -359,8 +356,6 @@ class Learner:
         """One line for the start of a run: this rank's estimated peak memory at the
         configured sizes (metrics.estimate_learner_memory), by component, against what
         the device has free, with a warning when it does not fit."""
-        import metrics
-
         estimate = metrics.estimate_learner_memory(
             self.model,
             learners,

@@ -10,6 +10,7 @@ import os
 from contextlib import contextmanager
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -92,8 +93,6 @@ def merged_weights(base, adapters, scale):
 def save_peft(path, adapters, rank, alpha, targets, base_model):
     """adapter_config.json and adapter_model.safetensors as PEFT writes them, so peft and
     vLLM's LoRA support load the adapter."""
-    from safetensors.torch import save_file
-
     os.makedirs(path, exist_ok=True)
     tensors = {f"base_model.model.{n}.weight": t.detach().float().contiguous().cpu() for n, t in adapters.items()}
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
@@ -116,8 +115,6 @@ def save_peft(path, adapters, rank, alpha, targets, base_model):
 def load_base(path):
     """{Hugging Face name: tensor} of the checkpoint at path, on the CPU: the weights a
     sampler merges adapters into."""
-    from safetensors.torch import load_file
-
     base = {}
     for name in sorted(os.listdir(path)):
         if name.endswith(".safetensors"):

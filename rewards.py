@@ -11,11 +11,13 @@ backtrack catastrophically."""
 
 import atexit
 import contextlib
+import ctypes
 import importlib
 import os
 import pickle
 import re
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -286,9 +288,6 @@ class RewardPool:
 
 def _serve(spec):
     """A worker's loop: load the rewards, then answer calls until stdin closes."""
-    import ctypes
-    import signal
-
     try:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the caller, even mid-call
     except Exception:

@@ -9,9 +9,12 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import hashlib
 import logging
+import sys
+import types
 import warnings
 
 import torch
+from transformers import AutoConfig
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
@@ -140,11 +143,6 @@ def allow_qwen3_5_without_torchvision(model):
     classes are registered as imported here, so that vLLM inspects them in this process
     and not in a fresh interpreter without the stand-in. A no-op for other models and
     wherever torchvision imports."""
-    import sys
-    import types
-
-    from transformers import AutoConfig
-
     if not set(getattr(AutoConfig.from_pretrained(model), "architectures", None) or []) & set(QWEN3_5):
         return
     try:

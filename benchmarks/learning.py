@@ -30,6 +30,8 @@ with tempfile.TemporaryDirectory() as tmp:
     if result.returncode != 0:
         print(result.stdout[-4000:])
         sys.exit(f"launch.sh failed with exit code {result.returncode}")
+    # What the user saw: the quiet console (a progress bar's redraws as their last frame).
+    print("console:\n" + "\n".join("    " + line.rsplit("\r", 1)[-1] for line in result.stdout.split("\n")))
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     evals = [r for r in rows if "eval_accuracy" in r]
     for r in evals:
