@@ -103,7 +103,9 @@ class Config:
     timeout_minutes: float = 30.0  # every process group's timeout: how long a rank waits for a stuck peer
     sampler_kv_cache_gb: float = 1.0  # vLLM's KV cache size (CPU only)
     sync_bucket_mb: float = 64.0
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = (
+        False  # recompute blocks in the backward: ~1/15 of the activations, ~1/3 more compute
+    )
     lora_rank: int = 0  # > 0: train LoRA adapters of this rank on --lora-targets (the base stays frozen); 0: full
     lora_alpha: float = 0.0  # adapter scale alpha / rank; 0: 2 x rank
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # linear layers given adapters
@@ -483,16 +485,14 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         lora=adapters,
         logprob_chunk=cfg.logprob_chunk,
     )
-    if rank == 0:
-        print(
-            learner.memory_line(
-                cfg.learners,
-                cfg.max_tokens_per_microbatch or cfg.micro_batch_size * (cfg.max_prompt_len + cfg.max_new_tokens),
-                cfg.max_prompt_len + cfg.max_new_tokens,
-                cfg.gradient_checkpointing,
-            ),
-            file=sys.stderr,
+    if rank == 0:  # in the log; on the console too when it may not fit
+        memory = learner.memory_line(
+            cfg.learners,
+            cfg.max_tokens_per_microbatch or cfg.micro_batch_size * (cfg.max_prompt_len + cfg.max_new_tokens),
+            cfg.max_prompt_len + cfg.max_new_tokens,
+            cfg.gradient_checkpointing,
         )
+        (console.warn if "WARNING" in memory else console.log.info)(memory)
     tokenizer = load_tokenizer(path) if rank == 0 else None  # saved beside every checkpoint
     first = checkpoint.start_step(cfg)
     if cfg.resume:

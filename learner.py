@@ -52,17 +52,20 @@ def load_sharded(model_path, mesh, device, compute_dtype, gradient_checkpointing
     return model
 
 
-def token_logprobs(model, ids, attention, temperature, chunk=1024):
+def token_logprobs(model, ids, attention, temperature, chunk=1024, entropy=True):
     """log p(token t+1 | tokens <= t) at the sampling temperature [B, T-1], and the
-    entropy of each next-token distribution [B, T-1], for a plain or an FSDP2 model.
-    chunk > 0: the output projection runs `chunk` positions at a time, so the [B, T-1, V]
-    logits and their gradient never exist whole; 0: dense, all positions at once."""
+    entropy of each next-token distribution [B, T-1] (None with entropy=False: the
+    reference pass needs none), for a plain or an FSDP2 model. chunk > 0: the output
+    projection runs `chunk` positions at a time, so the [B, T-1, V] logits and their
+    gradient never exist whole; 0: dense, all positions at once."""
     if not chunk:
         logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1].float()  # [B, T-1, V]
         if temperature > 0:
             logits = logits / temperature
         logz = torch.logsumexp(logits, dim=-1)  # [B, T-1]
         logp = logits.gather(-1, ids[:, 1:, None]).squeeze(-1) - logz  # [B, T-1]
+        if not entropy:
+            return logp, None
         with torch.no_grad():
             entropy = logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # [B, T-1]
         return logp, entropy
@@ -70,10 +73,10 @@ def token_logprobs(model, ids, attention, temperature, chunk=1024):
     B, T, H = hidden.shape
     flat = hidden[:, :-1].reshape(-1, H)  # [B*(T-1), H]
     targets = ids[:, 1:].reshape(-1)  # [B*(T-1)]
-    logp, entropy = ChunkedTokenLogprobs.apply(
-        flat, head.weight, head.bias, targets, temperature, chunk
+    logp, entropies = ChunkedTokenLogprobs.apply(
+        flat, head.weight, head.bias, targets, temperature, chunk, entropy
     )  # [B*(T-1)] each
-    return logp.view(B, T - 1), entropy.view(B, T - 1)
+    return logp.view(B, T - 1), entropies.view(B, T - 1) if entropy else None
 
 
 def final_hidden(model, ids, attention):
@@ -154,7 +157,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         return full, half
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, with_entropy=True):
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
         entropy = torch.empty_like(logp)  # [N]
@@ -178,7 +181,8 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             total = probs.sum(-1)  # [C]
             logz[s:e] = total.log().add_(top.squeeze(-1))
             logp[s:e] = logits.gather(-1, targets[s:e, None]).squeeze(-1) - logz[s:e]
-            entropy[s:e] = logz[s:e] - torch.linalg.vecdot(probs, logits) / total
+            if with_entropy:
+                entropy[s:e] = logz[s:e] - torch.linalg.vecdot(probs, logits) / total
         ctx.save_for_backward(hidden, weight, bias, targets, logz)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.mark_non_differentiable(entropy)
@@ -213,7 +217,7 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
                 grad_weight.addmm_(grad_logits.t(), hidden[s:e])  # [V, H]
             if need_bias:
                 grad_bias += grad_logits.sum(0)
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 def device_memory(device, learners):
@@ -346,11 +350,11 @@ class Learner:
         advantages = torch.tensor([r.advantage for r in rollouts], dtype=torch.float32)  # [B]
         return [x.to(self.device) for x in (ids, attention, mask, sampler_logp, advantages)]
 
-    def token_logprobs(self, model, ids, attention, temperature):
+    def token_logprobs(self, model, ids, attention, temperature, entropy=True):
         """log p(token t+1 | tokens <= t) at the sampling temperature [B, T-1], and the
-        entropy of each next-token distribution [B, T-1]: chunked (the default), or
-        dense with logprob_chunk 0."""
-        return token_logprobs(model, ids, attention, temperature, self.logprob_chunk)
+        entropy of each next-token distribution [B, T-1] (or None): chunked (the
+        default), or dense with logprob_chunk 0."""
+        return token_logprobs(model, ids, attention, temperature, self.logprob_chunk, entropy)
 
     def memory_line(self, learners, tokens, seq_len, gradient_checkpointing=False):
         """One line for the start of a run: this rank's estimated peak memory at the
@@ -405,7 +409,7 @@ class Learner:
             ref_logp = None
             if self.reference is not None:
                 with torch.no_grad(), lora_module.adapters_off(self.reference):
-                    ref_logp = self.token_logprobs(self.reference, ids, attention, temperature)[0]
+                    ref_logp = self.token_logprobs(self.reference, ids, attention, temperature, entropy=False)[0]
             loss, metrics = loss_fn(logp, sampler_logp, advantages, mask, ref_logp)
             (loss * self.grad_scale).backward()
             # Synchronous sampling used the weights the learner holds before its update,
