@@ -1,3 +1,4 @@
+import json
 import os
 import socket
 import subprocess
@@ -10,6 +11,19 @@ sys.path.insert(0, ROOT)
 # The shared GSM8K copy: beside the clone, where CI has it (../shared/data/gsm8k).
 GSM8K = os.path.normpath(os.path.join(ROOT, "..", "shared", "data", "gsm8k"))
 GSM8K_TESTS = set()  # node ids of the tests that take the gsm8k fixture
+# A short run: small batches, no eval, no KL, on-policy, float32 (the tests that use it
+# assert float32-exact figures).
+FAST = "--prompts-per-step 4 --group-size 4 --max-new-tokens 16 --eval-every 0 --beta 0 --max-staleness 0".split()
+FAST += ["--dtype", "float32"]
+
+
+def rows(out_dir):
+    """A run's metrics.jsonl, a dict per line ([] before its first step)."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f]
 
 
 @pytest.fixture

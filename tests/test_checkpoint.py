@@ -12,31 +12,10 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, children, torchrun, torchrun_cmd
+import conftest
+from conftest import ROOT, children, rows, torchrun, torchrun_cmd
 
-FAST = [
-    "--learners",
-    2,
-    "--prompts-per-step",
-    4,
-    "--group-size",
-    4,
-    "--max-new-tokens",
-    16,
-    "--eval-every",
-    0,
-    "--beta",
-    0,
-    "--max-staleness",
-    0,
-    "--dtype",
-    "float32",
-]
-
-
-def rows(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+FAST = ["--learners", 2, *conftest.FAST]
 
 
 def weights(path):

@@ -3,7 +3,6 @@ summary; every rank's own output in <out_dir>/logs; a bad flag refused in one li
 before torchrun starts; a failed, killed or preempted run said once, with nothing
 around it."""
 
-import json
 import os
 import re
 import signal
@@ -13,24 +12,8 @@ import time
 
 import pytest
 
-from conftest import ROOT, free_port
+from conftest import FAST, ROOT, free_port, rows
 
-FAST = [
-    "--prompts-per-step",
-    4,
-    "--group-size",
-    4,
-    "--max-new-tokens",
-    16,
-    "--eval-every",
-    0,
-    "--beta",
-    0,
-    "--max-staleness",
-    0,
-    "--dtype",
-    "float32",
-]
 # One frame of a progress bar: tqdm redraws it in place, frames apart by '\r'.
 BAR = re.compile(r"(grpo|tiny model warm-up): +\d+%\|[^|]*\| \d+/\d+ \[[^\]]*\] *")
 
@@ -60,11 +43,6 @@ def console_lines(raw):
     for line in raw.decode().split("\n"):
         lines += [f for f in line.split("\r") if f.strip() and not BAR.fullmatch(f)]
     return lines
-
-
-def rows(out):
-    path = os.path.join(out, "metrics.jsonl")
-    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
 
 
 def children(pid):

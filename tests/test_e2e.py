@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, children, rank_of, torchrun, torchrun_cmd
+from conftest import FAST, ROOT, children, rank_of, rows, torchrun, torchrun_cmd
 
 REQUIRED = [
     "step",
@@ -32,27 +32,6 @@ REQUIRED = [
     "peak_memory_mb_learner",
     "peak_memory_mb_sampler",
 ]
-FAST = [
-    "--prompts-per-step",
-    4,
-    "--group-size",
-    4,
-    "--max-new-tokens",
-    16,
-    "--eval-every",
-    0,
-    "--beta",
-    0,
-    "--max-staleness",
-    0,
-    "--dtype",
-    "float32",
-]
-
-
-def rows(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def weights(path):

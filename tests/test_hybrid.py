@@ -19,7 +19,7 @@ import torch.distributed as dist
 from hybrid_models import build_tiny_qwen3_5_composite, build_tiny_qwen3_next
 
 from comm import checkpoint_files, is_hybrid, text_to_checkpoint, weight_plan
-from conftest import free_port, torchrun
+from conftest import FAST, free_port, rows, torchrun
 
 TOL = 1e-2  # mean |sampler - learner| log-prob in bf16; a missed or wrong sync gives 1e-1 and more
 
@@ -184,39 +184,10 @@ def test_the_engine_loads_the_learners_weights_in_place(which, request):
 # ---------------------------------------------------------------- the loop
 
 
-def rows(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
 # A reward that varies within every group of a random model, a high learning rate and no
 # warm-up: the weights move a lot at every step, so a sync that fails shows in the mismatch.
-RUN = [
-    "--learners",
-    2,
-    "--dataset",
-    "synthetic",
-    "--dtype",
-    "bfloat16",
-    "--prompts-per-step",
-    4,
-    "--group-size",
-    4,
-    "--max-new-tokens",
-    16,
-    "--eval-every",
-    0,
-    "--beta",
-    0,
-    "--max-staleness",
-    0,
-    "--rewards",
-    "tests.hybrid_models:parity",
-    "--lr",
-    1e-2,
-    "--warmup-steps",
-    0,
-]
+RUN = [*FAST, "--learners", 2, "--dataset", "synthetic", "--dtype", "bfloat16", "--lr", 1e-2, "--warmup-steps", 0]
+RUN += ["--rewards", "tests.hybrid_models:parity"]
 
 
 def check_run(out, steps):

@@ -6,12 +6,7 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT, torchrun
-
-
-def rows(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+from conftest import ROOT, rows, torchrun
 
 
 def test_grpo_improves_accuracy(tiny_model, tmp_path):

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import lora
-from conftest import torchrun
+from conftest import rows, torchrun
 
 
 def adapted(path, rank=4, alpha=8.0, seed=0):
@@ -65,10 +65,6 @@ def test_peft_format(tiny_model, tmp_path):
     assert f"base_model.model.{names[0]}.lora_A.weight" in tensors  # PEFT's key layout
     assert tensors[f"base_model.model.{names[0]}.lora_A.weight"].shape == (4, model.config.hidden_size)
     assert len(tensors) == 2 * len(names)
-
-
-def rows(out):
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
 
 
 def test_lora_run_syncs_adapters_only_and_the_sampler_matches(tiny_model, tmp_path):

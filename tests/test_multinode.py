@@ -6,27 +6,13 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT, free_port
+from conftest import FAST, ROOT, free_port
 
 
 def test_two_nodes_form_one_job(tiny_model, tmp_path):
     out = tmp_path / "run"
     port = free_port()
-    flags = [
-        "--steps",
-        2,
-        "--prompts-per-step",
-        3,
-        "--group-size",
-        4,
-        "--max-new-tokens",
-        16,
-        "--eval-every",
-        0,
-        "--beta",
-        0,
-    ]
-    flags += ["--max-staleness", 0, "--dtype", "float32", "--out-dir", out]
+    flags = [*FAST, "--steps", 2, "--prompts-per-step", 3, "--out-dir", out]
     nodes = []
     for node in (0, 1):
         # 2 ranks per node, 1 learner: rank 0 learns; ranks 1 (node 0), 2 and 3 (node 1) sample.

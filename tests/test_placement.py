@@ -150,3 +150,40 @@ def test_the_seed_recipe_is_a_valid_eight_gpu_run():
     slot, backend = check(layout(1, nproc, learners, EIGHT), nproc, learners, EIGHT)
     assert len(set(slot)) == 8 and backend == "nccl"
     assert all(p.sampler_gpu_memory == pytest.approx(0.8) for p in layout(1, nproc, learners, EIGHT)[learners:])
+
+
+def test_every_group_gets_the_one_timeout(monkeypatch):
+    """NCCL's own default is 10 minutes; make_group must hand it --timeout-minutes. This
+    torch build has no NCCL, so a stand-in records what it is asked for; gloo is real."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from comm import make_group
+
+    asked = {}
+
+    class NCCL:  # the constructor's signature: (store, rank, size, options)
+        class Options:
+            _timeout = timedelta(minutes=10)
+
+        def __init__(self, store, rank, size, options):
+            asked.update(rank=rank, size=size, timeout=options._timeout)
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", NCCL, raising=False)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    make_group(store, "weights", 0, 1, "nccl", timedelta(minutes=30))
+    assert asked == {"rank": 0, "size": 1, "timeout": timedelta(minutes=30)}
+    assert make_group(store, "rollout", 0, 1, "gloo", timedelta(minutes=30)).options._timeout == timedelta(minutes=30)
+
+
+def test_request_seeds_never_repeat_across_samplers_steps_and_requests():
+    from sampler import request_seed
+
+    keys = [(0, step, sampler, i) for step in range(3) for sampler in range(4) for i in range(64)]
+    seeds = [request_seed(*k) for k in keys]
+    assert len(set(seeds)) == len(keys) and all(0 <= s < 2**62 for s in seeds)
+    # vLLM gives request j's n children seed + j: those never reach another request's seed
+    children = {s + j for s in seeds for j in range(8)}
+    assert len(children) == 8 * len(keys)
+    assert request_seed(0, 1, 2, 3) == request_seed(0, 1, 2, 3) != request_seed(1, 1, 2, 3)
