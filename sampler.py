@@ -85,7 +85,10 @@ class Sampler:
             **chunking,
         )
         self.dtype = self.llm.llm_engine.model_config.dtype
-        self.tied = bool(getattr(self.llm.llm_engine.model_config.hf_text_config, "tie_word_embeddings", False))
+        text_config = self.llm.llm_engine.model_config.hf_text_config
+        self.tied = bool(getattr(text_config, "tie_word_embeddings", False))
+        if self.tied:
+            self.llm.collective_rpc(_tie_head, args=(text_config.vocab_size,))
         # Parameters the engine keeps in another dtype than its own, such as a gated delta
         # net's A_log in float32 under bf16: they travel in that dtype (comm.wire_dtype).
         params = self.llm.collective_rpc(_param_dtypes)[0]
@@ -192,6 +195,20 @@ def repack_cpu_experts(model):
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         if kernel is not None and hasattr(module, "w13_weight"):
             kernel.fused_experts.process_weights_after_loading(module)
+
+
+def _tie_head(worker, vocab_size):
+    """vLLM's Qwen3-Next builds an output layer of its own even when the config ties it,
+    and a tied checkpoint stores no lm_head.weight, so that layer is never loaded: the
+    engine would sample from uninitialised memory (zeros in a fresh process, NaN or
+    garbage in a used one) until the first sync. It is loaded here from the embedding;
+    models that really share the tensor (Qwen3.5, Qwen2) are left as they are."""
+    params = dict(worker.model_runner.get_model().named_parameters())
+    head = params.get("lm_head.weight")
+    embed = next((p for n, p in params.items() if n.endswith("embed_tokens.weight")), None)
+    if head is not None and embed is not None and head.data_ptr() != embed.data_ptr():
+        # Not _reload_weights: the experts did not reload, and packing them twice breaks them.
+        worker.model_runner.reload_weights(weights_iterator=[("lm_head.weight", embed[:vocab_size].clone())])
 
 
 def _param_dtypes(worker):
