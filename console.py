@@ -176,7 +176,10 @@ class Failures:
         else:
             traceback.print_exception(kind, error, tb, file=sys.stderr)
         sys.stderr.flush()
-        speak = not self._peer_error(error) and self._first()
+        peer_error = self._peer_error(error)
+        if peer_error:  # for launch.sh, which names the rank that really failed
+            open(os.path.join(logs_dir(self.out_dir), f"peer_error_{self.rank}"), "w").close()
+        speak = not peer_error and self._first()
         _stop_bars(close=speak)
         if speak:
             with open(os.path.join(logs_dir(self.out_dir), "failed"), "w") as f:

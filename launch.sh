@@ -84,7 +84,7 @@ LOGS="$OUT_DIR/logs"
 TORCHRUN_LOG="$LOGS/torchrun.log"
 [ "$NNODES" -gt 1 ] && TORCHRUN_LOG="$LOGS/torchrun_node$NODE_RANK.log"
 mkdir -p "$LOGS"
-rm -f "$LOGS/failed" "$LOGS/preempted"
+rm -f "$LOGS/failed" "$LOGS/preempted" "$LOGS"/peer_error_*
 "${TORCHRUN[@]}" 2>"$TORCHRUN_LOG" &
 PID=$!
 trap 'kill -TERM "$PID" 2>/dev/null || true' TERM HUP
@@ -104,13 +104,27 @@ if [ "$STATUS" -ne 0 ] && [ ! -f "$LOGS/failed" ]; then
     if [ -f "$LOGS/preempted" ]; then
         exit 75
     fi
-    # torchrun's first observed failure: "rank : 2 (local_rank: 2)", "exitcode : -9 (pid: ...)"
-    # and "traceback : Signal 9 (SIGKILL) received by PID ...".
-    read -r RANK CODE < <(awk '/Root Cause/ {found = 1}
-        found && $1 == "rank" {rank = $3}
-        found && $1 == "exitcode" {print rank, $3; exit}' "$TORCHRUN_LOG") || true
-    if [ -n "${RANK:-}" ] && [ -f "$LOGS/rank_$RANK.log" ]; then
-        WHY=$(awk '/Root Cause/ {found = 1} found && $1 == "traceback" {sub(/^ *traceback *: */, ""); print; exit}' "$TORCHRUN_LOG")
+    # torchrun's failures, each as "rank : 2 (local_rank: 2)", "exitcode : -9 (pid: ...)" and
+    # "traceback : Signal 9 (SIGKILL) received by PID ...": its root cause first, then the
+    # others. Its root cause is the earliest timestamp, in whole seconds, and a killed rank's
+    # is the moment torchrun notices it, so a peer that raised on the broken connection can
+    # come first: such a rank leaves logs/peer_error_<rank> (console.Failures) and is skipped.
+    FAILURES=$(awk '/Root Cause/ {root = 1}
+        $1 == "rank" && $2 == ":" {rank = $3}
+        $1 == "exitcode" {code = $3}
+        $1 == "traceback" {sub(/^ *traceback *: */, ""); entry = rank " " code " " $0
+                           if (root) first = entry; else rest[++n] = entry}
+        END {if (first != "") print first; for (i = 1; i <= n; i++) print rest[i]}' "$TORCHRUN_LOG") || true
+    RANK="" CODE="" WHY=""
+    while read -r R C W; do
+        [ -n "$R" ] || continue
+        [ -n "$RANK" ] || { RANK=$R CODE=$C WHY=$W; }
+        if [ ! -f "$LOGS/peer_error_$R" ]; then
+            RANK=$R CODE=$C WHY=$W
+            break
+        fi
+    done <<<"$FAILURES"
+    if [ -n "$RANK" ] && [ -f "$LOGS/rank_$RANK.log" ]; then
         echo
         WHO=$(head -n 1 "$LOGS/rank_$RANK.log" | sed -n 's/^\(rank [0-9]* ([a-z]*)\),.*/\1/p')
         echo "${WHO:-rank $RANK} died with status $CODE${WHY:+ ($WHY)}; the end of its log, $LOGS/rank_$RANK.log:"
