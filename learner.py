@@ -52,6 +52,24 @@ def load_sharded(model_path, mesh, device, compute_dtype, gradient_checkpointing
     return model
 
 
+# Widest micro-batch (positions per sequence) that gets transformers' eager attention on a
+# CPU in bf16; see attention_kernel.
+EAGER_MAX_WIDTH = 240
+
+
+def attention_kernel(device_type, dtype, width, loaded):
+    """The attention transformers runs for one micro-batch of `width` positions. On a CPU
+    in bf16, torch's flash-attention kernel is slow in the backward, and transformers'
+    eager attention (bf16 batched matmuls, a float32 softmax) ran forward + backward
+    1.2-2.7x faster at widths 64-240 with head dim 64 (1.1-2.5x at 64-200 with 32, level
+    at 240), 4096 positions per micro-batch (benchmarks/attention.py); from 256 its score
+    tensors outgrow the caches and flash wins. In float32 flash is never slower.
+    Everywhere else: the implementation the model loaded with (sdpa)."""
+    if device_type == "cpu" and dtype == torch.bfloat16 and width <= EAGER_MAX_WIDTH:
+        return "eager"
+    return loaded
+
+
 def token_logprobs(model, ids, attention, temperature, chunk=1024, entropy=True):
     """log p(token t+1 | tokens <= t) at the sampling temperature [B, T-1], and the
     entropy of each next-token distribution [B, T-1] (None with entropy=False: the
@@ -329,6 +347,7 @@ class Learner:
         if reference:
             self.reference = self.model if lora else load_sharded(model_path, mesh, device, compute_dtype, frozen=True)
         self.named_params = dict(self.model.named_parameters())
+        self.loaded_attention = self.model.config._attn_implementation
         config = self.model.config
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
 
@@ -354,6 +373,10 @@ class Learner:
         """log p(token t+1 | tokens <= t) at the sampling temperature [B, T-1], and the
         entropy of each next-token distribution [B, T-1] (or None): chunked (the
         default), or dense with logprob_chunk 0."""
+        # Set on every call (the setter reaches a composite's sub-configs too), so each
+        # micro-batch's width picks its own kernel.
+        kernel = attention_kernel(self.device.type, self.compute_dtype, ids.shape[1], self.loaded_attention)
+        model.config._attn_implementation = kernel
         return token_logprobs(model, ids, attention, temperature, self.logprob_chunk, entropy)
 
     def memory_line(self, learners, tokens, seq_len, gradient_checkpointing=False):
