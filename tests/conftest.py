@@ -74,6 +74,13 @@ def free_port():
         return s.getsockname()[1]
 
 
+def rank0_env(world_size=3):
+    """The environment torchrun gives rank 0 of a one-node job, for running grpo.py
+    directly where a check must fail before any store is reached (port 1: none)."""
+    env = {"RANK": "0", "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(world_size)}
+    return {**os.environ, **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+
+
 def torchrun_cmd(nproc, *args):
     return [
         sys.executable,

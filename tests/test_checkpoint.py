@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import conftest
-from conftest import ROOT, children, rows, torchrun, torchrun_cmd
+from conftest import ROOT, children, rank0_env, rows, torchrun, torchrun_cmd
 
 FAST = ["--learners", 2, *conftest.FAST]
 
@@ -153,15 +153,7 @@ def test_existing_run_is_refused_and_bad_checkpoints_are_named(tiny_model, tmp_p
     out = tmp_path / "run"
     result = torchrun(3, *FAST, "--steps", 2, "--save-every", 2, "--out-dir", out)
     assert result.returncode == 0, result.stdout[-3000:]
-    env = {
-        **os.environ,
-        "RANK": "0",
-        "WORLD_SIZE": "3",
-        "LOCAL_RANK": "0",
-        "LOCAL_WORLD_SIZE": "3",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": "1",
-    }
+    env = rank0_env()
 
     def direct(*args):
         return subprocess.run(

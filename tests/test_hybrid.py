@@ -240,19 +240,11 @@ def test_a_hybrid_model_in_float32_on_cpu_is_refused_at_start(qwen3_next):
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from conftest import ROOT, rank0_env
 
     if torch.cuda.is_available():
         pytest.skip("the check is for vLLM's CPU kernel")
-    env = {
-        **os.environ,
-        "RANK": "0",
-        "WORLD_SIZE": "3",
-        "LOCAL_RANK": "0",
-        "LOCAL_WORLD_SIZE": "3",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": "1",
-    }
+    env = rank0_env()
     result = subprocess.run(
         [
             sys.executable,
