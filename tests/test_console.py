@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import FAST, ROOT, free_port, rows
+from conftest import FAST, ROOT, children, free_port, rank_of, rows
 
 # One frame of a progress bar: tqdm redraws it in place, frames apart by '\r'.
 BAR = re.compile(r"(grpo|tiny model warm-up): +\d+%\|[^|]*\| \d+/\d+ \[[^\]]*\] *")
@@ -45,20 +45,9 @@ def console_lines(raw):
     return lines
 
 
-def children(pid):
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(p) for p in f.read().split()]
-
-
 def ranks_of(launcher):
     """{rank: pid} of a running launch.sh: its child is torchrun, whose children are the ranks."""
-    found = {}
-    for torchrun in children(launcher.pid):
-        for pid in children(torchrun):
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-            found[int(env[b"RANK"])] = pid
-    return found
+    return {rank_of(pid): pid for torchrun in children(launcher.pid) for pid in children(torchrun)}
 
 
 def wait_for_steps(proc, out, steps, timeout=300):

@@ -131,33 +131,29 @@ def test_attention_kernel_table(device, dtype, width, expected):
     assert attention_kernel(device, dtype, width, "sdpa") == expected
 
 
-def test_bf16_learner_on_cpu_takes_eager_attention_for_short_batches(tiny_model, gloo_world):
+def test_bf16_learner_on_cpu_takes_eager_attention_for_short_batches(tiny_model, gloo_world, monkeypatch):
     """The kernel follows each micro-batch's width, and both give the same log-probs to
     bf16 rounding: these random tokens are improbable (log-probs near -10, where bf16's
     logit step is 0.06), measured mean 8e-3 and max 0.06 apart. A wrong mask or scale
     moves them by order 1."""
     import transformers
+    from torch.distributed.device_mesh import init_device_mesh
 
     from learner import EAGER_MAX_WIDTH, Learner
 
     used = []
     functions = transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS
     original = functions["sdpa"]
-    functions["sdpa"] = lambda *a, **k: used.append("sdpa") or original(*a, **k)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (1,))
-        learner = Learner(tiny_model, mesh, torch.device("cpu"), lr=1e-3, compute_dtype=torch.bfloat16)
-        torch.manual_seed(0)
-        short = torch.randint(3, 200, (2, 40))
-        logp_eager = learner.token_logprobs(learner.model, short, torch.ones_like(short), 1.0)[0]
-        assert used == []  # eager for every layer
-        long = torch.cat([short, torch.randint(3, 200, (2, EAGER_MAX_WIDTH + 1 - 40))], dim=1)
-        logp_sdpa = learner.token_logprobs(learner.model, long, torch.ones_like(long), 1.0)[0][:, : 40 - 1]
-        assert used == ["sdpa"] * learner.model.config.num_hidden_layers
-    finally:
-        functions["sdpa"] = original
+    monkeypatch.setitem(functions, "sdpa", lambda *a, **k: used.append("sdpa") or original(*a, **k))
+    mesh = init_device_mesh("cpu", (1,))
+    learner = Learner(tiny_model, mesh, torch.device("cpu"), lr=1e-3, compute_dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    short = torch.randint(3, 200, (2, 40))
+    logp_eager = learner.token_logprobs(learner.model, short, torch.ones_like(short), 1.0)[0]
+    assert used == []  # eager for every layer
+    long = torch.cat([short, torch.randint(3, 200, (2, EAGER_MAX_WIDTH + 1 - 40))], dim=1)
+    logp_sdpa = learner.token_logprobs(learner.model, long, torch.ones_like(long), 1.0)[0][:, : 40 - 1]
+    assert used == ["sdpa"] * learner.model.config.num_hidden_layers
     diff = (logp_eager - logp_sdpa).abs()
     print(f"eager vs sdpa in bf16: mean {diff.mean():.2e}, max {diff.max():.2e}")
     assert diff.mean() < 0.03 and diff.max() < 0.25
