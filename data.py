@@ -36,6 +36,11 @@ def synthetic_problem(rng, result=None):
     name, thing = rng.choice(NAMES), rng.choice(THINGS)
     op = rng.choice("+-")
     a, b = rng.choice(PAIRS[op])
+    return synthetic_fact(a, op, b, name, thing, result)
+
+
+def synthetic_fact(a, op, b, name="Ann", thing="pens", result=None):
+    """The record of one (a, op, b) fact, worded with `name` and `thing`."""
     if op == "+":
         question, true = f"{name} has {a} {thing} and gets {b} more. How many {thing} now?", a + b
     else:

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data import PAIRS, build_prompts  # noqa: E402
+from data import PAIRS, build_prompts, synthetic_fact  # noqa: E402
 
 
 def main(path):
@@ -24,8 +24,8 @@ def main(path):
     facts = []
     for op, pairs in PAIRS.items():
         for a, b in pairs:
-            true, verb = (a + b, f"gets {b} more") if op == "+" else (a - b, f"gives away {b}")
-            record = {"question": f"Ann has {a} pens and {verb}. How many pens now?", "answer": f"#### {true}"}
+            record = synthetic_fact(a, op, b)
+            true = int(record["answer"].rsplit("#### ", 1)[1])
             ids = build_prompts([record], tokenizer, 10**6, "facts", system_prompt=None)[0]["prompt_ids"]
             ids += tokenizer(f"{a}{op}{b}=", add_special_tokens=False)["input_ids"]
             with torch.no_grad():
