@@ -85,7 +85,7 @@ class Config:
     sapo_tau_pos: float = 1.0  # SAPO's gate temperature for positive advantages
     sapo_tau_neg: float = 1.05  # ... and for negative ones (sharper: their off-policy tokens destabilise more)
     scale: str = "group"  # advantage scaling: group | batch | none
-    beta: float = 0.04  # k3 KL to the initial policy, as DeepSeekMath; > 0 keeps a frozen, sharded reference
+    beta: float = -1.0  # k3 KL to the initial policy, as DeepSeekMath; > 0 keeps a frozen, sharded reference; -1: 0.1 for the tiny model, else 0.04
     tis_cap: float = 0.0  # > 0: truncated importance sampling of the sampler/learner mismatch at this cap
     drop_uniform_groups: bool = False  # DAPO dynamic sampling: drop groups whose rewards are all equal
     overlong: str = "none"  # completions cut at max-new-tokens: none | mask (out of the loss) | penalty (soft, DAPO)
@@ -96,7 +96,7 @@ class Config:
     max_reward_errors: float = 0.5  # stop when more than this fraction of a step's completions had a reward fail
     prompt_field: str = "question"  # dataset column with the prompt: a string (the user message) or chat messages
     messages_field: str = "messages"  # column of chat messages [{role, content}]; where a row has it, it is the prompt
-    dtype: str = "auto"  # compute dtype of learners and samplers: auto | bfloat16 | float32 (see precision); auto: float32 for tiny
+    dtype: str = "auto"  # compute dtype of learners and samplers: auto | bfloat16 | float32 (see precision)
     seed: int = 0
     out_dir: str = "runs/default"
     sampler_gpu_memory: float = 0.0  # vLLM's GPU memory fraction; 0: 0.8 of a GPU of its own, 0.3 beside a learner
@@ -649,16 +649,15 @@ def fail(message, every_rank=False):
     sys.exit(2)
 
 
-def precision(dtype, has_gpu, cpu_bf16, tiny=False):
+def precision(dtype, has_gpu, cpu_bf16):
     """The one compute dtype of a run, for both devices: 'auto' is bfloat16 where the
     hardware multiplies in bf16 natively (CUDA GPUs; CPUs with AVX512-BF16 or AMX), else
-    float32; and float32 for the tiny model, which learns far worse in bf16 (held-out
-    0.445 against 0.867 at step 250 of the CPU default; README, "Precision"). From it: FSDP2 keeps float32 master weights and AdamW state, computes in it
+    float32. From it: FSDP2 keeps float32 master weights and AdamW state, computes in it
     and reduces gradients in float32; vLLM runs in it; each parameter travels in the
     dtype the engine keeps it in (comm.wire_dtype); log-probs and the loss are float32
     always (learner.token_logprobs)."""
     if dtype == "auto":
-        return "bfloat16" if (has_gpu or cpu_bf16) and not tiny else "float32"
+        return "bfloat16" if has_gpu or cpu_bf16 else "float32"
     return dtype
 
 
@@ -674,11 +673,15 @@ def resolve(cfg, world_size, has_gpu, cpu_bf16=False):
     cfg.max_new_tokens = cfg.max_new_tokens or (24 if tiny else 512)
     cfg.group_size = cfg.group_size or (4 if tiny else 8)
     cfg.lr = cfg.lr or (1e-3 if tiny else 1e-6)
+    # The tiny model's warm-up policy answers near-uniformly; at 0.04 the pull back to it
+    # is too weak to stop a collapse onto one answer per operator (README, "The embedded
+    # tiny model"), at 0.2 it holds the entropy up for 200 steps.
+    cfg.beta = (0.1 if tiny else 0.04) if cfg.beta == -1 else cfg.beta
     cfg.epsilon_high = cfg.epsilon_high or cfg.epsilon
     cfg.overlong_buffer = cfg.overlong_buffer or cfg.max_new_tokens // 4
     if cfg.dtype not in ("auto", "bfloat16", "float32"):
         fail(f"--dtype must be one of auto, bfloat16, float32, got {cfg.dtype!r}")
-    cfg.dtype = precision(cfg.dtype, has_gpu, cpu_bf16, tiny)
+    cfg.dtype = precision(cfg.dtype, has_gpu, cpu_bf16)
     if cfg.eval_only:
         cfg.steps = 0
     samplers = world_size - cfg.learners
