@@ -63,7 +63,7 @@ class Config:
     dataset: str = "auto"  # 'synthetic', 'gsm8k' (the hub) or a .jsonl/.json/.parquet path; auto follows --model
     split: str = "train"
     learners: int = 1  # ranks 0..learners-1 train; the other ranks sample
-    steps: int = 250
+    steps: int = -1  # optimizer steps; -1: 300 for the tiny model, 250 otherwise
     prompts_per_step: int = 64
     group_size: int = 0  # completions per prompt (G); 0: 4 for the tiny model (more prompts beat more samples), else 8
     max_new_tokens: int = 0  # 0: 24 for the tiny model, 512 otherwise
@@ -87,7 +87,9 @@ class Config:
     scale: str = "group"  # advantage scaling: group | batch | none
     beta: float = -1.0  # k3 KL to the initial policy, as DeepSeekMath; > 0 keeps a frozen, sharded reference; -1: 0.1 for the tiny model, else 0.04
     tis_cap: float = 0.0  # > 0: truncated importance sampling of the sampler/learner mismatch at this cap
-    drop_uniform_groups: bool = False  # DAPO dynamic sampling: drop groups whose rewards are all equal
+    drop_uniform_groups: bool | None = (
+        None  # DAPO dynamic sampling: drop groups whose rewards are all equal; default: on for the tiny model
+    )
     overlong: str = "none"  # completions cut at max-new-tokens: none | mask (out of the loss) | penalty (soft, DAPO)
     overlong_buffer: int = 0  # penalty ramp length in tokens; 0: max-new-tokens // 4
     rewards: str = "accuracy,format"  # weighted sum: 'accuracy=1,format=0.5,my.module:fn=2'; fn(completion, record)
@@ -126,7 +128,7 @@ def parse_config(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
-        if f.type is bool or f.type == "bool":
+        if f.type in (bool, bool | None):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         elif f.name == "resume":
             parser.add_argument(flag, nargs="?", const="latest", default=f.default)
@@ -673,10 +675,17 @@ def resolve(cfg, world_size, has_gpu, cpu_bf16=False):
     cfg.max_new_tokens = cfg.max_new_tokens or (24 if tiny else 512)
     cfg.group_size = cfg.group_size or (4 if tiny else 8)
     cfg.lr = cfg.lr or (1e-3 if tiny else 1e-6)
+    cfg.steps = (300 if tiny else 250) if cfg.steps == -1 else cfg.steps
     # The tiny model's warm-up policy answers near-uniformly; at 0.04 the pull back to it
     # is too weak to stop a collapse onto one answer per operator (README, "The embedded
     # tiny model"), at 0.2 it holds the entropy up for 200 steps.
     cfg.beta = (0.1 if tiny else 0.04) if cfg.beta == -1 else cfg.beta
+    # At chance (1 in 10) most of the tiny model's groups of 4 are all wrong: they carry
+    # only the KL's pull back to the warm-up policy, which then outweighs the few groups
+    # with a signal. Dropping them took held-out accuracy at step 250 from 0.70 to 0.86
+    # on seed 0 (README, "The embedded tiny model").
+    if cfg.drop_uniform_groups is None:
+        cfg.drop_uniform_groups = tiny
     cfg.epsilon_high = cfg.epsilon_high or cfg.epsilon
     cfg.overlong_buffer = cfg.overlong_buffer or cfg.max_new_tokens // 4
     if cfg.dtype not in ("auto", "bfloat16", "float32"):

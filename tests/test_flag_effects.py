@@ -118,3 +118,22 @@ def test_overlong_penalty_follows_dapo():
     cfg.overlong = "none"
     train_step(cfg, NoLearner(), rollouts, 0)
     assert [c.advantage for c in rollouts[:4]] == [0.0] * 4
+
+
+@pytest.mark.parametrize(
+    "flags, has_gpu, drop, beta, steps",
+    [
+        ([], False, True, 0.1, 300),  # the CPU default: the tiny model
+        (["--no-drop-uniform-groups", "--beta", "0.04", "--steps", "7"], False, False, 0.04, 7),
+        (["--model", "Qwen/Qwen2.5-0.5B-Instruct"], True, False, 0.04, 250),  # the GPU default
+        (["--model", "Qwen/Qwen2.5-0.5B-Instruct", "--drop-uniform-groups"], True, True, 0.04, 250),
+        (["--eval-only"], False, True, 0.1, 0),
+    ],
+)
+def test_the_tiny_model_alone_drops_uniform_groups_and_pulls_harder_to_its_reference(flags, has_gpu, drop, beta, steps):
+    """The tiny model's own defaults (README, "The embedded tiny model"): at chance most of
+    its groups are uniform, its near-uniform warm-up policy needs a stronger KL, and 300
+    steps take it past 0.85 held-out; any other model keeps every group, DeepSeekMath's
+    0.04 and 250 steps. An explicit flag wins."""
+    cfg = resolve(parse_config([*flags, "--out-dir", "/nonexistent/run"]), world_size=3, has_gpu=has_gpu)
+    assert (cfg.drop_uniform_groups, cfg.beta, cfg.steps) == (drop, beta, steps)
