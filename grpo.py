@@ -836,6 +836,10 @@ def main(argv=None):
     console.setup(cfg.out_dir, rank, role, warnings_here=rank in (0, cfg.learners), append=bool(cfg.resume))
     if rank == 0:
         console.say(start_line(cfg, world, local_world, gpus))
+        if cfg.dtype == "bfloat16" and not gpus and not cpu_has_bf16():
+            console.warn(
+                "--dtype bfloat16 on a CPU without AVX512-BF16 or AMX: bf16 is emulated here, several times slower than float32 (README, 'Precision')"
+            )
     torch.manual_seed(cfg.seed)
     signal.signal(signal.SIGTERM, checkpoint.on_signal)
     signal.signal(signal.SIGINT, checkpoint.on_signal)

@@ -88,7 +88,8 @@ def test_the_learner_computes_in_bf16_over_float32_master_weights(tiny_model, gl
 
 
 def test_bf16_run_keeps_sampler_and_learner_close(tiny_model, tmp_path):
-    """Both engines in bf16 (the GPU path, and this CPU's default): after each sync the
+    """Both engines in bf16 (the GPU path, and the default on a CPU with native bf16;
+    elsewhere the console says it is emulated): after each sync the
     sampler's and the learner's log-probs of the same tokens differ by bf16 rounding
     only. bf16 keeps 8 bits of mantissa (a relative step of 2^-8 = 0.4%); the two engines
     round different sums in different orders, so a logit of magnitude ~10 can move by a
@@ -103,6 +104,7 @@ def test_bf16_run_keeps_sampler_and_learner_close(tiny_model, tmp_path):
     args = ["--learners", 2, "--steps", 3, "--prompts-per-step", 8, "--group-size", 4, "--eval-every", 0]
     result = torchrun(3, *args, "--max-staleness", 0, "--dtype", "bfloat16", "--out-dir", out)
     assert result.returncode == 0, result.stdout[-4000:]
+    assert ("bf16 is emulated here" in result.stdout) == (not cpu_has_bf16()), result.stdout[-4000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2]
     print(
