@@ -87,9 +87,7 @@ class Config:
     scale: str = "group"  # advantage scaling: group | batch | none
     beta: float = -1.0  # k3 KL to the initial policy, as DeepSeekMath; > 0 keeps a frozen, sharded reference; -1: 0.1 for the tiny model, else 0.04
     tis_cap: float = 0.0  # > 0: truncated importance sampling of the sampler/learner mismatch at this cap
-    drop_uniform_groups: bool | None = (
-        None  # DAPO dynamic sampling: drop groups whose rewards are all equal; default: on for the tiny model
-    )
+    drop_uniform_groups: bool | None = None  # DAPO: drop groups of all-equal rewards; None: on for tiny only
     overlong: str = "none"  # completions cut at max-new-tokens: none | mask (out of the loss) | penalty (soft, DAPO)
     overlong_buffer: int = 0  # penalty ramp length in tokens; 0: max-new-tokens // 4
     rewards: str = "accuracy,format"  # weighted sum: 'accuracy=1,format=0.5,my.module:fn=2'; fn(completion, record)
@@ -806,7 +804,8 @@ def main(argv=None):
         fail("run under torchrun, e.g. `torchrun --nproc_per_node 3 grpo.py --learners 2`, or `bash launch.sh`")
     world, local_world = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
     gpus = visible_gpus()
-    cfg = resolve(cfg, world, bool(gpus), cpu_has_bf16())
+    cpu_bf16 = cpu_has_bf16()
+    cfg = resolve(cfg, world, bool(gpus), cpu_bf16)
     if check:
         node = int(os.environ.get("GROUP_RANK", "0"))
         for local in range(local_world):
@@ -836,7 +835,7 @@ def main(argv=None):
     console.setup(cfg.out_dir, rank, role, warnings_here=rank in (0, cfg.learners), append=bool(cfg.resume))
     if rank == 0:
         console.say(start_line(cfg, world, local_world, gpus))
-        if cfg.dtype == "bfloat16" and not gpus and not cpu_has_bf16():
+        if cfg.dtype == "bfloat16" and not gpus and not cpu_bf16:
             console.warn(
                 "--dtype bfloat16 on a CPU without AVX512-BF16 or AMX: bf16 is emulated here, several times slower than float32 (README, 'Precision')"
             )
