@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 import lora as lora_module
 import metrics
@@ -41,6 +42,13 @@ def load_sharded(model_path, mesh, device, compute_dtype, gradient_checkpointing
         lora_module.add_adapters(model, *adapters)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
+        # transformers recomputes a block only while the block itself is in training mode,
+        # and from_pretrained loads in eval mode. Only the blocks switch: every other
+        # module (dropout, attention dropout) stays in eval mode, so the learner's
+        # log-probs remain the sampler's.
+        for module in model.modules():
+            if isinstance(module, GradientCheckpointingLayer):
+                module.training = True
     # Master weights and AdamW's state stay float32; the forward and backward run in
     # compute_dtype, and gradients are reduced in float32.
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)

@@ -1,10 +1,11 @@
 """Chunked log-probs against the dense path (a large vocabulary, tied and untied heads,
 a temperature, plain and under 2-rank FSDP2), the frozen reference in the compute dtype,
-the micro-batch default, and the start-up memory estimate against a measured peak.
+the micro-batch default, gradient checkpointing, and the start-up memory estimate
+against a measured peak.
 
 This file is also its own torchrun worker: `python -m torch.distributed.run ...
-tests/test_logprobs.py fsdp MODEL OUT` and `python tests/test_logprobs.py estimate MODEL
-OUT` are what the tests below run."""
+tests/test_logprobs.py fsdp MODEL OUT` and `python tests/test_logprobs.py estimate|checkpointing
+MODEL OUT` are what the tests below run."""
 
 import copy
 import json
@@ -257,6 +258,53 @@ def test_default_micro_batch_holds_one_whole_sequence():
         )
 
 
+# ---------------------------------------------------------------- gradient checkpointing
+
+
+def checkpointing_worker(model_dir, out_file):
+    """One learner (FSDP2 over a world of 1) with and without gradient checkpointing:
+    how often the first block's MLP runs in one train step, and the grad norm."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from grpo import train_step
+    from learner import Learner
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    batch = rollouts(512, sequences=4)
+    result = {}
+    for checkpointing in (False, True):
+        learner = Learner(model_dir, mesh, torch.device("cpu"), lr=0.0, gradient_checkpointing=checkpointing)
+        calls, mlp = [], learner.model.model.layers[0].mlp
+        forward = mlp.forward  # wrapped, not hooked: a checkpoint's recompute runs no module hooks
+        mlp.forward = lambda *args: calls.append(1) or forward(*args)
+        norm = train_step(step_config(len(batch), 4096, beta=0.0), learner, copy.deepcopy(batch), 0)[-1]
+        result[str(checkpointing)] = {"calls": len(calls), "grad_norm": norm}
+    json.dump(result, open(out_file, "w"))
+    dist.destroy_process_group()
+
+
+def test_gradient_checkpointing_recomputes_each_block_and_changes_no_gradient(tmp_path):
+    """--gradient-checkpointing: each block runs again in the backward (transformers
+    recomputes a block only while it is in training mode, and from_pretrained loads in
+    eval mode), and the gradient is the same: the model's attention dropout of 0.5 was
+    not switched on with it."""
+    random_model(str(tmp_path / "model"), 512)
+    config = json.load(open(tmp_path / "model" / "config.json"))
+    json.dump({**config, "attention_dropout": 0.5}, open(tmp_path / "model" / "config.json", "w"))  # must stay off
+    out = tmp_path / "checkpointing.json"
+    cmd = [sys.executable, os.path.abspath(__file__), "checkpointing", str(tmp_path / "model"), str(out)]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    off, on = json.load(open(out))["False"], json.load(open(out))["True"]
+    print(
+        f"first block's MLP calls: {off['calls']} without, {on['calls']} with; grad norms {off['grad_norm']:.8g}, {on['grad_norm']:.8g}"
+    )
+    assert off["calls"] >= 1 and on["calls"] == 2 * off["calls"]
+    assert abs(on["grad_norm"] - off["grad_norm"]) <= 1e-6 * off["grad_norm"]
+
+
 # ---------------------------------------------------------------- the memory estimate
 
 
@@ -318,5 +366,7 @@ def test_memory_estimate_is_within_30_percent_of_the_measured_peak(tmp_path, chu
 if __name__ == "__main__":
     if sys.argv[1] == "fsdp":
         fsdp_worker(*sys.argv[2:4])
+    elif sys.argv[1] == "checkpointing":
+        checkpointing_worker(*sys.argv[2:4])
     elif sys.argv[1] == "estimate":
         estimate_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]))
