@@ -499,6 +499,13 @@ class Learner:
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if dist.get_rank() != 0:
             return
+        # A tied head is one parameter under two names. On a GPU, cpu_offload copies each
+        # name on its own, so save_pretrained no longer sees the tie and writes the head
+        # as a weight the checkpoint never had (a composite's save then fails): keep each
+        # parameter under its first name only, as save_pretrained itself would.
+        first = {}
+        aliases = {n for n, p in self.model.named_parameters(remove_duplicate=False) if first.setdefault(p, n) != n}
+        state = {n: t for n, t in state.items() if n not in aliases}
         if self.lora:
             rank, alpha, targets = self.lora
             adapters = {n: t for n, t in state.items() if n.endswith((".lora_A", ".lora_B"))}
