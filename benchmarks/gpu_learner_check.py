@@ -108,7 +108,8 @@ def free_port():
 
 
 def run(out, *flags):
-    """One 1 + 1 run of grpo.py on the tiny model; its metrics rows (train steps only)."""
+    """One 1 + 1 run of grpo.py (the tiny model unless flags name another); its metrics
+    rows (train steps only)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
     cmd += [__file__, "--learners", "1", "--model", "tiny", "--out-dir", out, "--overwrite", *flags]
     cmd += ["--prompts-per-step", "16", "--samples-every", "0"]
@@ -171,6 +172,26 @@ def main():
     check(
         same and len(resumed) == 2 and gap < 1e-6,
         f"resumed at step 2: steps 2-3's rewards equal, final weights within {gap:.1e} of the straight run's (< 1e-6)",
+    )
+    # The seed's model family: a tiny random Qwen3.5 composite (gated delta net beside
+    # attention, tied embeddings, a vision tower in the checkpoint), bf16, trained text
+    # model saved back as the composite. A high learning rate and a reward that varies
+    # in every group move the weights at each step, so a sync that fails shows.
+    from tests.hybrid_models import build_tiny_qwen3_5_composite
+
+    composite = build_tiny_qwen3_5_composite(f"{out}/qwen3_5_model", tie_word_embeddings=True)
+    hybrid = run(
+        f"{out}/qwen3_5",
+        *["--model", composite, "--dataset", "synthetic", "--dtype", "bfloat16", "--steps", "3", "--lr", "1e-2"],
+        *["--warmup-steps", "0", "--max-staleness", "0", "--eval-every", "0", "--beta", "0", "--max-new-tokens", "16"],
+        *["--rewards", "tests.hybrid_models:parity"],
+    )
+    worst = max((r["mismatch_mean"] for r in hybrid), default=float("inf"))
+    saved = f"{out}/qwen3_5/final/config.json"
+    architectures = json.load(open(saved))["architectures"] if os.path.exists(saved) else None
+    check(
+        len(hybrid) == 3 and worst < 1e-2 and architectures == ["Qwen3_5ForConditionalGeneration"],
+        f"Qwen3.5 composite, bf16: 3 steps, mismatch after every sync {worst:.2e} < 1e-2, saved as {architectures}",
     )
     for label, rows in (("ahead", ahead[1:]), ("on-policy float32", on_policy[1:])):
         if rows:
