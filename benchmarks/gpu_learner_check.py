@@ -5,9 +5,11 @@ sampler sharing one GPU as launch.sh places them, on the tiny model, with one pi
 stood in for: the sampler's engine is transformers' generate in the engine's dtype
 (GenerateEngine below), because vLLM is not there. Everything else is the real run:
 placement, the learners' NCCL group, FSDP2 in bf16 mixed precision on CUDA, chunked
-log-probs, the loss, the weight sync, metrics, a checkpoint and its resume. Then
+log-probs, the loss, the weight sync, metrics, a checkpoint and its resume; then the
+same loop on a tiny tied Qwen3.5 composite (the seed model's layout). Then
 benchmarks/memory.py on the GPU default's shapes (Qwen2.5-0.5B: 896 x 24 layers, a
-152k vocabulary) at 4 x 4096 positions, in bf16 and in float32.
+152k vocabulary): bf16 at 4 x 4096 positions with and without gradient checkpointing,
+and bf16 against float32 on one 4096-position sequence.
 
     python3 benchmarks/gpu_learner_check.py [--no-memory]
 
