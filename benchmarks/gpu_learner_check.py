@@ -165,7 +165,7 @@ def main():
     )
     from safetensors.torch import load_file
 
-    final = [f"{out}/{run}/final/model.safetensors" for run in ("on_policy", "resumed")]
+    final = [f"{out}/{name}/final/model.safetensors" for name in ("on_policy", "resumed")]
     gap = float("inf")
     if all(map(os.path.exists, final)):
         a, b = map(load_file, final)

@@ -297,7 +297,8 @@ def test_gradient_checkpointing_recomputes_each_block_and_changes_no_gradient(tm
     cmd = [sys.executable, os.path.abspath(__file__), "checkpointing", str(tmp_path / "model"), str(out)]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    off, on = json.load(open(out))["False"], json.load(open(out))["True"]
+    measured = json.load(open(out))
+    off, on = measured["False"], measured["True"]
     print(
         f"first block's MLP calls: {off['calls']} without, {on['calls']} with; grad norms {off['grad_norm']:.8g}, {on['grad_norm']:.8g}"
     )

@@ -90,9 +90,10 @@ def test_the_learner_computes_in_bf16_over_float32_master_weights(tiny_model, gl
 def test_bf16_run_keeps_sampler_and_learner_close(tiny_model, tmp_path):
     """Both engines in bf16 (the GPU path, and the default on a CPU with native bf16;
     elsewhere the console says it is emulated): after each sync the sampler's and the
-    learner's log-probs of the same tokens differ by bf16 rounding only. bf16 keeps 8 bits of mantissa (a relative step of 2^-8 = 0.4%); the two engines
-    round different sums in different orders, so a logit of magnitude ~10 can move by a
-    few hundredths, and a token's log-prob by as much. Measured on this model: mean
+    learner's log-probs of the same tokens differ by bf16 rounding only. bf16 keeps 8
+    bits of mantissa (a relative step of 2^-8 = 0.4%); the two engines round different
+    sums in different orders, so a logit of magnitude ~10 can move by a few hundredths,
+    and a token's log-prob by as much. Measured on this model: mean
     3e-4 to 8e-4, max 0.003 to 0.044 per step. The bounds are 10x and 5x that: a stale or
     broken sync gives gaps of order 1 (see the tied-head test: 1.4)."""
     import json
