@@ -49,11 +49,18 @@ def latest(out):
     return open(marker).read().strip() if os.path.exists(marker) else None
 
 
-def test_resume_after_kill_equals_an_uninterrupted_run(tiny_model, tmp_path):
-    straight = tmp_path / "straight"
-    result = torchrun(3, *FAST, "--steps", 4, "--out-dir", straight)
+@pytest.fixture(scope="module")
+def straight(tiny_model, tmp_path_factory):
+    """One uninterrupted 4-step run saving at steps 2 and 4, shared by the tests below
+    (each job costs about 20 s of start-up): the reference for resume, a checkpoint to
+    load elsewhere, and an out-dir that holds a run. Tests that change it copy it first."""
+    out = tmp_path_factory.mktemp("checkpoint") / "straight"
+    result = torchrun(3, *FAST, "--steps", 4, "--save-every", 2, "--out-dir", out)
     assert result.returncode == 0, result.stdout[-3000:]
+    return out
 
+
+def test_resume_after_kill_equals_an_uninterrupted_run(straight, tmp_path):
     broken = tmp_path / "broken"
     proc = start(broken, "--steps", 1000, "--save-every", 2)
     wait_for(lambda: latest(broken) == "step_2", proc)
@@ -149,10 +156,9 @@ def test_preemption_checkpoints_and_every_rank_exits_with_75(tiny_model, tmp_pat
     assert step == len(rows(out))  # the checkpoint holds exactly the steps logged
 
 
-def test_existing_run_is_refused_and_bad_checkpoints_are_named(tiny_model, tmp_path):
+def test_existing_run_is_refused_and_bad_checkpoints_are_named(straight, tmp_path):
     out = tmp_path / "run"
-    result = torchrun(3, *FAST, "--steps", 2, "--save-every", 2, "--out-dir", out)
-    assert result.returncode == 0, result.stdout[-3000:]
+    shutil.copytree(straight, out)
     env = rank0_env()
 
     def direct(*args):
@@ -164,18 +170,18 @@ def test_existing_run_is_refused_and_bad_checkpoints_are_named(tiny_model, tmp_p
             timeout=120,
         )
 
-    r = direct("--steps", 4)
+    r = direct("--steps", 6)
     assert r.returncode == 2 and "already holds a run" in r.stderr and "--resume" in r.stderr
-    os.remove(out / "checkpoints" / "step_2" / "train_state" / ".metadata")
-    r = direct("--steps", 4, "--resume")
+    os.remove(out / "checkpoints" / "step_4" / "train_state" / ".metadata")
+    r = direct("--steps", 6, "--resume")
     assert r.returncode == 2 and "incomplete" in r.stderr and ".metadata" in r.stderr, r.stderr
     (out / "checkpoints" / "step_2" / "trainer.json").write_text("{not json")
-    r = direct("--steps", 4, "--resume", out / "checkpoints" / "step_2")
+    r = direct("--steps", 6, "--resume", out / "checkpoints" / "step_2")
     assert r.returncode == 2 and "trainer.json" in r.stderr, r.stderr
-    r = direct("--steps", 4, "--resume", tmp_path / "nowhere")
+    r = direct("--steps", 6, "--resume", tmp_path / "nowhere")
     assert r.returncode == 2 and "incomplete" in r.stderr
     shutil.rmtree(out / "checkpoints")
-    r = direct("--steps", 4, "--resume")
+    r = direct("--steps", 6, "--resume")
     assert r.returncode == 2 and "no checkpoint" in r.stderr
 
 
@@ -191,13 +197,10 @@ print("LOGPROBS", json.dumps([lp[t].logprob for t, lp in zip(ids[1:], out.prompt
 """
 
 
-def test_checkpoint_loads_in_transformers_and_vllm_alike(tiny_model, tmp_path):
+def test_checkpoint_loads_in_transformers_and_vllm_alike(straight, tiny_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = tmp_path / "run"
-    result = torchrun(3, *FAST, "--steps", 2, "--save-every", 2, "--out-dir", out)
-    assert result.returncode == 0, result.stdout[-3000:]
-    ckpt = out / "checkpoints" / "step_2"
+    ckpt = straight / "checkpoints" / "step_2"
     assert max((weights(ckpt)[k] - weights(tiny_model)[k]).abs().max().item() for k in weights(ckpt)) > 1e-5
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
     ids = tokenizer("Ann has 3 pens and gets 4 more.\n3+4=7\n#### 7")["input_ids"]

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+import conftest
 import lora
 from conftest import rows, torchrun
 
@@ -67,55 +68,55 @@ def test_peft_format(tiny_model, tmp_path):
     assert len(tensors) == 2 * len(names)
 
 
-def test_lora_run_syncs_adapters_only_and_the_sampler_matches(tiny_model, tmp_path):
-    """Full fine-tuning and LoRA on the same seed: after each sync the sampler (base +
-    merged adapters, in vLLM) equals the learner's adapted policy to float32 noise, while
-    only the adapters cross the weight group. final/ is the merged model, adapter/ PEFT's."""
-    args = ["--learners", 2, "--steps", 3, "--prompts-per-step", 4, "--group-size", 4, "--max-new-tokens", 16]
-    args += ["--eval-every", 0, "--beta", 0.1, "--max-staleness", 0, "--dtype", "float32", "--lr", 1e-2]
-    full, adapters = tmp_path / "full", tmp_path / "lora"
-    for out, extra in ((full, []), (adapters, ["--lora-rank", 4])):
-        result = torchrun(3, *args, *extra, "--out-dir", out)
-        assert result.returncode == 0, result.stdout[-4000:]
-    full_rows, lora_rows = rows(full), rows(adapters)
+# conftest's short float32 run with a KL, whose reference is the adapters switched off,
+# and a larger step (a later flag overrides an earlier one).
+LORA = ["--learners", 2, *conftest.FAST, "--beta", 0.1, "--lr", 1e-2, "--lora-rank", 4]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_model, tmp_path_factory):
+    """One uninterrupted LoRA run of 4 steps, saving at 2 and 4: checked for its sync and
+    outputs, and the reference for the resume test."""
+    out = tmp_path_factory.mktemp("lora") / "straight"
+    result = torchrun(3, *LORA, "--steps", 4, "--save-every", 2, "--out-dir", out)
+    assert result.returncode == 0, result.stdout[-4000:]
+    return out
+
+
+def test_lora_run_syncs_adapters_only_and_the_sampler_matches(lora_run, tiny_model):
+    """After each sync the sampler (base + merged adapters, in vLLM) equals the learner's
+    adapted policy to float32 noise, while only the adapters cross the weight group.
+    final/ is the merged model, adapter/ PEFT's."""
+    lora_rows = rows(lora_run)
+    assert [r["step"] for r in lora_rows] == [0, 1, 2, 3]
     for r in lora_rows:
         assert r["mismatch_max"] < 1e-4, r["mismatch_max"]
         assert r["grad_norm"] > 0
-    print(
-        "sync MB full/lora:",
-        full_rows[0]["sync_mb"],
-        lora_rows[0]["sync_mb"],
-        "sync s:",
-        full_rows[-1]["sync_s"],
-        lora_rows[-1]["sync_s"],
-    )
-    assert lora_rows[0]["sync_mb"] < 0.2 * full_rows[0]["sync_mb"]
+    initial = load_file(os.path.join(tiny_model, "model.safetensors"))
+    full_mb = sum(t.numel() * 4 for t in initial.values()) / 2**20  # what full fine-tuning sends in float32
+    print(f"sync MB: lora {lora_rows[0]['sync_mb']:.4f}, the whole model {full_mb:.4f}")
+    assert 0 < lora_rows[0]["sync_mb"] < 0.2 * full_mb
     assert lora_rows[0]["kl"] < 1e-6  # step 0: adapted == base
-    merged, initial = (
-        load_file(adapters / "final" / "model.safetensors"),
-        load_file(os.path.join(tiny_model, "model.safetensors")),
-    )
+    merged = load_file(lora_run / "final" / "model.safetensors")
     assert merged.keys() == initial.keys()
     assert max((merged[k] - initial[k]).abs().max().item() for k in merged) > 1e-5
-    assert (adapters / "final" / "adapter" / "adapter_config.json").exists()
+    assert (lora_run / "final" / "adapter" / "adapter_config.json").exists()
 
 
-def test_lora_resume_after_kill_is_exact(tiny_model, tmp_path):
+def test_lora_resume_after_kill_is_exact(lora_run, tmp_path):
     """kill -9 at step 2 of 4, resume, and the adapters equal an uninterrupted run's."""
     import signal
 
-    from test_checkpoint import FAST, latest, start, wait_for
+    from test_checkpoint import latest, start, wait_for
 
-    straight, broken = tmp_path / "straight", tmp_path / "broken"
-    result = torchrun(3, *FAST, "--steps", 4, "--lora-rank", 4, "--out-dir", straight)
-    assert result.returncode == 0, result.stdout[-3000:]
-    proc = start(broken, "--steps", 1000, "--save-every", 2, "--lora-rank", 4)
+    broken = tmp_path / "broken"
+    proc = start(broken, *LORA, "--steps", 1000, "--save-every", 2)
     wait_for(lambda: latest(broken) == "step_2", proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    result = torchrun(3, *FAST, "--steps", 4, "--lora-rank", 4, "--out-dir", broken, "--resume")
+    result = torchrun(3, *LORA, "--steps", 4, "--out-dir", broken, "--resume")
     assert result.returncode == 0, result.stdout[-3000:]
-    a = load_file(straight / "final" / "adapter" / "adapter_model.safetensors")
+    a = load_file(lora_run / "final" / "adapter" / "adapter_model.safetensors")
     b = load_file(broken / "final" / "adapter" / "adapter_model.safetensors")
     assert a.keys() == b.keys()
     diff = max((a[k] - b[k]).abs().max().item() for k in a)
