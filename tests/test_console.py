@@ -211,6 +211,7 @@ def test_a_killed_rank_is_named_once_from_torchrun(tiny_model, tmp_path):
     _, match = assert_one_report(raw, header)
     assert match[1] == str(out / "logs" / "rank_2.log")
     assert not (out / "logs" / "failed").exists()  # no learner took its broken connection for the first failure
+    assert not any(os.path.exists(f"/proc/{p}") for p in ranks.values())  # no rank left behind
 
 
 def test_sigterm_to_launch_sh_checkpoints_and_exits_75(tiny_model, tmp_path):
