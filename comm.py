@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import signal
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,14 @@ def default_layout(num_gpus, nnodes=1):
     # completions is the slower side.
     best = max((n + s, -abs(n - s), s, n) for n in (1, 2, 4, 8) for s in (1, 2, 4, 8) if n + s <= num_gpus)
     return best[0], best[3]
+
+
+def free_port(host="127.0.0.1"):
+    """A TCP port free on this host now, for a rendezvous that torchrun does not set up
+    (the tests' and benchmarks' own jobs and single-process groups)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def make_group(store, name, rank, size, backend, timeout):

@@ -19,7 +19,6 @@ float32), which is how it was tried before it went to a GPU.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import zlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from comm import free_port  # noqa: E402
 
 
 class GenerateEngine:
@@ -101,12 +101,6 @@ def rank_main():
     import grpo
 
     record(grpo.main)(sys.argv[1:])
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(out, *flags):

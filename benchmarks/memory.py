@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -117,15 +116,15 @@ def worker(args):
     from torch.distributed.device_mesh import init_device_mesh
 
     import metrics
+    from comm import free_port
     from grpo import Config, train_step
     from learner import Learner
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
     mesh = init_device_mesh(device.type, (1,))
     baseline = rss_mb()
     chunk = args.chunk if args.worker == "chunked" else 0

@@ -1,6 +1,5 @@
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -8,6 +7,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from comm import free_port  # noqa: E402  (tests import it from here)
+
 # The shared GSM8K copy: beside the clone, where CI has it (../shared/data/gsm8k).
 GSM8K = os.path.normpath(os.path.join(ROOT, "..", "shared", "data", "gsm8k"))
 GSM8K_TESTS = set()  # node ids of the tests that take the gsm8k fixture
@@ -67,12 +68,6 @@ def tiny_model(tmp_path_factory):
     if not os.path.exists(path):
         tiny.build_tiny_model(path)
     return path
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank0_env(world_size=3):
