@@ -104,11 +104,11 @@ def default_layout(num_gpus, nnodes=1):
     return best[0], best[3]
 
 
-def free_port(host="127.0.0.1"):
+def free_port():
     """A TCP port free on this host now, for a rendezvous that torchrun does not set up
     (the tests' and benchmarks' own jobs and single-process groups)."""
     with socket.socket() as s:
-        s.bind((host, 0))
+        s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 

@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_checkpoint import FAST, latest, start, wait_for
 from transformers import AutoModelForCausalLM
 
-import conftest
 import lora
 from conftest import rows, torchrun
 
@@ -68,9 +68,9 @@ def test_peft_format(tiny_model, tmp_path):
     assert len(tensors) == 2 * len(names)
 
 
-# conftest's short float32 run with a KL, whose reference is the adapters switched off,
-# and a larger step (a later flag overrides an earlier one).
-LORA = ["--learners", 2, *conftest.FAST, "--beta", 0.1, "--lr", 1e-2, "--lora-rank", 4]
+# On top of test_checkpoint's short float32 run (FAST): a KL, whose reference is the
+# adapters switched off, and a larger step.
+LORA = ["--beta", 0.1, "--lr", 1e-2, "--lora-rank", 4]
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def lora_run(tiny_model, tmp_path_factory):
     """One uninterrupted LoRA run of 4 steps, saving at 2 and 4: checked for its sync and
     outputs, and the reference for the resume test."""
     out = tmp_path_factory.mktemp("lora") / "straight"
-    result = torchrun(3, *LORA, "--steps", 4, "--save-every", 2, "--out-dir", out)
+    result = torchrun(3, *FAST, *LORA, "--steps", 4, "--save-every", 2, "--out-dir", out)
     assert result.returncode == 0, result.stdout[-4000:]
     return out
 
@@ -107,14 +107,12 @@ def test_lora_resume_after_kill_is_exact(lora_run, tmp_path):
     """kill -9 at step 2 of 4, resume, and the adapters equal an uninterrupted run's."""
     import signal
 
-    from test_checkpoint import latest, start, wait_for
-
     broken = tmp_path / "broken"
     proc = start(broken, *LORA, "--steps", 1000, "--save-every", 2)
     wait_for(lambda: latest(broken) == "step_2", proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    result = torchrun(3, *LORA, "--steps", 4, "--out-dir", broken, "--resume")
+    result = torchrun(3, *FAST, *LORA, "--steps", 4, "--out-dir", broken, "--resume")
     assert result.returncode == 0, result.stdout[-3000:]
     a = load_file(lora_run / "final" / "adapter" / "adapter_model.safetensors")
     b = load_file(broken / "final" / "adapter" / "adapter_model.safetensors")

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from comm import bucket_plan, cpu_has_bf16, plan_bytes, wire_dtype
+from comm import bucket_plan, cpu_has_bf16, free_port, plan_bytes, wire_dtype
 from grpo import precision
 
 
@@ -60,7 +60,7 @@ def test_parameters_kept_in_float32_travel_in_float32():
 
 @pytest.fixture
 def gloo_world():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(__import__("conftest").free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
