@@ -580,7 +580,10 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
             write_row(row)
             if cfg.samples_every and step % cfg.samples_every == 0:
                 for c in rollouts[:: cfg.group_size][:4]:
-                    samples_log.write(json.dumps({"step": step, "text": c.text, "reward": c.reward, **c.parts}) + "\n")
+                    sample = {"step": step, "text": c.text, "reward": c.reward, **c.parts, "truncated": c.truncated}
+                    # the ids as trained: a reader can check them against the tokenizer
+                    sample.update(prompt_ids=c.prompt_ids, token_ids=c.token_ids)
+                    samples_log.write(json.dumps(sample) + "\n")
                 samples_log.flush()
             bar.update()
             bar.set_postfix_str(
@@ -619,6 +622,34 @@ def load_tokenizer(path):
     from transformers import AutoTokenizer  # heavy: not for launch.sh's check or plot
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def model_folder_error(model):
+    """Why `model` cannot be a model folder, where it names one: anything but a hub name
+    of the form 'namespace/name' must be a folder holding a config.json."""
+    hub_name = model.count("/") == 1 and not model.startswith((".", "~")) and not os.path.exists(model)
+    if not hub_name and not os.path.isfile(os.path.join(model, "config.json")):
+        what = "a folder without a config.json" if os.path.isdir(model) else "no such folder"
+        return f"{what} (a model is 'tiny', a local Hugging Face folder or a hub name 'namespace/name')"
+    return None
+
+
+def hub_model_error(model):
+    """Why a hub name cannot be loaded (no network and not in the local cache, no such
+    repository), in one line, or None. launch.sh's check asks once, before any rank starts."""
+    import huggingface_hub  # light next to transformers; only launch.sh's check needs it
+
+    try:
+        huggingface_hub.hf_hub_download(model, "config.json", local_files_only=True)
+        return None
+    except Exception:  # not in the cache: the hub must know it
+        pass
+    try:
+        huggingface_hub.model_info(model, timeout=10)
+        return None
+    except Exception as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return f"not in the local Hugging Face cache, and the hub cannot give it ({type(e).__name__}: {reason})"
 
 
 def model_path(cfg, local_rank):
@@ -762,8 +793,8 @@ def resolve(cfg, world_size, has_gpu, cpu_bf16=False):
         fail(f"--max-reward-errors is a fraction in [0, 1], got {cfg.max_reward_errors}")
     if not cfg.prompt_field:
         fail("--prompt-field must name a dataset column")
-    if not tiny and "/" not in cfg.model and not os.path.isdir(cfg.model):
-        fail(f"--model: no such folder or hub name: {cfg.model}")
+    if not tiny and (error := model_folder_error(cfg.model)):
+        fail(f"--model {cfg.model}: {error}")
     if not has_gpu and not tiny and cfg.dtype == "float32" and os.path.isdir(cfg.model) and is_hybrid(cfg.model):
         fail(
             "--dtype float32: vLLM's CPU kernel for this model's linear-attention layers runs only in bf16 ('CPU GDN attention requires BF16'); use --dtype bfloat16"
@@ -807,6 +838,8 @@ def main(argv=None):
     cpu_bf16 = cpu_has_bf16()
     cfg = resolve(cfg, world, bool(gpus), cpu_bf16)
     if check:
+        if cfg.model != "tiny" and not os.path.isdir(cfg.model) and (error := hub_model_error(cfg.model)):
+            fail(f"--model {cfg.model}: {error}")
         node = int(os.environ.get("GROUP_RANK", "0"))
         for local in range(local_world):
             try:

@@ -35,6 +35,12 @@ PYTHON=${PYTHON:-.venv/bin/python}
 
 if [ "${1:-}" = "test" ]; then
     shift
+    # The suite's own packages (requirements-test.txt: what builds the real pretrained model).
+    TEST_STAMP=".venv/installed-test-$(sha1sum requirements-test.txt | cut -c1-12)"
+    if [ "$PYTHON" = .venv/bin/python ] && [ ! -f "$TEST_STAMP" ]; then
+        .venv/bin/pip install -q -r requirements-test.txt
+        touch "$TEST_STAMP"
+    fi
     exec "$PYTHON" -m pytest -q tests "$@"
 fi
 

