@@ -92,3 +92,9 @@ def nap_logged(completion, record):
 def crash(completion, record):
     """Kills its own process, as a segfaulting extension would."""
     os._exit(3)
+
+
+def brevity(completion, record):
+    """1 for an empty reply, down to 0 at 100 characters: a reward whose groups are never
+    uniform, so every step of a short test run moves the weights."""
+    return 1.0 - min(len(completion), 100) / 100
