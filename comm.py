@@ -8,22 +8,37 @@ import os
 import pickle
 import signal
 import socket
+import subprocess
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 
-def visible_gpus(environ=os.environ, driver="/proc/driver/nvidia/gpus"):
+def driver_gpus(driver="/proc/driver/nvidia/gpus", smi="nvidia-smi"):
+    """How many GPUs the NVIDIA driver lists: its /proc folder, else `nvidia-smi -L` (WSL2
+    and some containers have no such folder); 0 without a driver. launch.sh counts the same
+    way before any Python package is installed (`bash launch.sh gpus`)."""
+    if os.path.isdir(driver):
+        return len(os.listdir(driver))
+    try:
+        listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in listed.stdout.splitlines()) if listed.returncode == 0 else 0
+
+
+def visible_gpus(environ=os.environ, driver="/proc/driver/nvidia/gpus", smi="nvidia-smi"):
     """This node's usable GPU ids as strings: CUDA_VISIBLE_DEVICES (indices or UUIDs)
     where it is set, else every GPU the driver lists; none without a driver. Read from
     the environment and the driver, not torch.cuda: touching CUDA here would fix the
     visible devices before a rank can narrow them to its own."""
-    if not os.path.isdir(driver):
+    count = driver_gpus(driver, smi)
+    if not count:
         return []
     if "CUDA_VISIBLE_DEVICES" in environ:
         return [g.strip() for g in environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip() and g.strip() != "-1"]
-    return [str(i) for i in range(len(os.listdir(driver)))]
+    return [str(i) for i in range(count)]
 
 
 def cpu_has_bf16(cpuinfo="/proc/cpuinfo"):

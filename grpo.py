@@ -368,7 +368,7 @@ def eval_due(cfg, step):
     return cfg.eval_only or (cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.steps))
 
 
-def run_sampler(cfg, path, index, num_samplers, weight_pg, rollout_pg, device, gpu_memory):
+def run_sampler(cfg, path, index, num_samplers, weight_pg, rollout_pg, device, weight_device, gpu_memory):
     from sampler import Sampler  # vLLM: heavy, and only a sampler needs it
 
     # Data first: a bad dataset stops the job before the engine loads. Rows are checked
@@ -410,9 +410,9 @@ def run_sampler(cfg, path, index, num_samplers, weight_pg, rollout_pg, device, g
 
     def sync(step):
         """Load the weights of `step` (or stop), then evaluate them when an eval is due."""
-        if control(weight_pg, 0, device):
+        if control(weight_pg, 0, weight_device):
             checkpoint.exit_preempted()  # the learners saved a checkpoint and stop too
-        weights = receive_weights(weight_pg, buckets, device)
+        weights = receive_weights(weight_pg, buckets, weight_device)
         if cfg.lora_rank:
             weights = lora.merged_weights(base, dict(weights), cfg.lora_alpha / cfg.lora_rank)
         engine.load_weights(weights)
@@ -907,6 +907,7 @@ def main(argv=None):
                 world - cfg.learners,
                 weight_pg,
                 rollout_pg,
+                device,  # its GPU, whose memory it reports, even where weights arrive through host memory
                 weight_device,
                 place.sampler_gpu_memory,
             )
@@ -931,7 +932,7 @@ def start_line(cfg, world, local_world, gpus):
     def n(count, word):
         return f"{count} {word}{'s' * (count != 1)}"
 
-    where = n(len(gpus), "GPU") if gpus else "CPU"
+    where = f"{n(len(gpus), 'GPU')} ({','.join(gpus)})" if gpus else "CPU (no NVIDIA GPU found)"
     if world > local_world:
         where = f"{world // local_world} nodes x {where}"
     what = "eval only" if cfg.eval_only else n(cfg.steps, "step")

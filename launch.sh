@@ -12,23 +12,33 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 # The GPUs this job may use: CUDA_VISIBLE_DEVICES where it is set (SLURM, a shared box),
-# else every GPU the driver lists (comm.visible_gpus reads them the same way).
-GPUS=0
+# else every GPU the driver lists, from its /proc folder or, where that is absent (WSL2,
+# some containers), from `nvidia-smi -L` (comm.visible_gpus counts the same way).
+DRIVER_GPUS=0
 if [ -d /proc/driver/nvidia/gpus ]; then
-    if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
-        GPUS=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -cv -e '^ *$' -e '^-1$' || true)
-    else
-        GPUS=$(ls /proc/driver/nvidia/gpus | wc -l)
-    fi
+    DRIVER_GPUS=$(ls /proc/driver/nvidia/gpus | wc -l)
+elif command -v nvidia-smi >/dev/null 2>&1; then
+    DRIVER_GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+fi
+GPUS=$DRIVER_GPUS
+if [ "$DRIVER_GPUS" -gt 0 ] && [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
+    GPUS=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -cv -e '^ *$' -e '^-1$' || true)
+fi
+if [ "${1:-}" = "gpus" ]; then  # what this script found, for a check by hand or a test
+    echo "$GPUS"
+    exit 0
 fi
 REQUIREMENTS=$( [ "$GPUS" -gt 0 ] && echo requirements.txt || echo requirements-cpu.txt )
 STAMP=".venv/installed-$(sha1sum "$REQUIREMENTS" | cut -c1-12)"
 if [ -z "${PYTHON:-}" ] && [ ! -f "$STAMP" ]; then
     python3 -m venv .venv
     .venv/bin/pip install -q -r "$REQUIREMENTS"
-    # PyPI's torchvision does not match the CPU torch build and breaks transformers'
-    # model imports; a text model needs none of these.
-    .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    # CPU only: PyPI's torchvision does not match the CPU torch build and breaks
+    # transformers' model imports. On GPUs the CUDA torchvision that vLLM brings is kept:
+    # vLLM's Qwen3.5 module imports it (through its Qwen3-VL code) even for text.
+    if [ "$GPUS" -eq 0 ]; then
+        .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    fi
     touch "$STAMP"
 fi
 PYTHON=${PYTHON:-.venv/bin/python}

@@ -39,9 +39,12 @@ def peak_memory_mb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux
 
 
-def memcpy_seconds(num_bytes, device, repeats=5):
-    """The best time of one in-memory copy of num_bytes: the yardstick for a weight sync."""
-    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+def memcpy_seconds(num_bytes, device, repeats=5, max_bytes=64 * 2**20):
+    """The time one in-memory copy of num_bytes takes: the yardstick for a weight sync.
+    Timed on at most max_bytes (best of `repeats`) and scaled, so that it never allocates
+    twice the model on a GPU that already holds the learner."""
+    size = max(1, min(num_bytes, max_bytes))
+    src = torch.empty(size, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(repeats):
@@ -52,7 +55,7 @@ def memcpy_seconds(num_bytes, device, repeats=5):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - t)
-    return best
+    return best * num_bytes / size
 
 
 def reduce_metrics(sums, maxima, device):

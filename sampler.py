@@ -54,8 +54,7 @@ def request_seed(*key):
 class Sampler:
     def __init__(self, model, max_model_len, seed, dtype, gpu_memory_utilization=0.3, kv_cache_gb=1.0):
         on_gpu = torch.cuda.is_available()
-        if not on_gpu:
-            allow_qwen3_5_without_torchvision(model)
+        allow_qwen3_5_without_torchvision(model)  # on any device: it acts only where torchvision fails
         memory = (
             {"gpu_memory_utilization": gpu_memory_utilization}
             if on_gpu
@@ -126,7 +125,11 @@ class Sampler:
         consumed inside vLLM's loader, so buckets can arrive while it runs."""
         named_tensors = ((self.engine_names.get(n, n), t) for n, t in named_tensors)
         self.llm.collective_rpc(_reload_weights, args=(with_tied_head(named_tensors) if self.tied else named_tensors,))
-        self.llm.reset_prefix_cache()
+        # False means blocks are still held: cached prefixes computed with the old weights
+        # would be served at the next step, a silent off-policy error. Between steps no
+        # request runs, so it never should; if it does, this sampler stops the job.
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM kept its prefix cache after a weight sync (blocks still held): stopping")
 
 
 QWEN3_5 = (
@@ -180,7 +183,9 @@ def with_tied_head(named_tensors):
 
 
 def _reload_weights(worker, named_tensors):
-    worker.model_runner.reload_weights(weights_iterator=named_tensors)
+    # The worker's own entry point, which sets vLLM's current config around the runner's
+    # reload (code under it may read get_current_vllm_config(), which raises outside it).
+    worker.reload_weights(weights_iterator=named_tensors)
     if not torch.cuda.is_available():
         repack_cpu_experts(worker.model_runner.get_model())
 
@@ -208,7 +213,7 @@ def _tie_head(worker, vocab_size):
     embed = next((p for n, p in params.items() if n.endswith("embed_tokens.weight")), None)
     if head is not None and embed is not None and head.data_ptr() != embed.data_ptr():
         # Not _reload_weights: the experts did not reload, and packing them twice breaks them.
-        worker.model_runner.reload_weights(weights_iterator=[("lm_head.weight", embed[:vocab_size].clone())])
+        worker.reload_weights(weights_iterator=[("lm_head.weight", embed[:vocab_size].clone())])
 
 
 def _param_dtypes(worker):

@@ -43,6 +43,10 @@ for name, rs in (("on-policy run", on_policy), ("first step of run 1", ahead[:1]
 # The sampler shares the GPU with the learner: vLLM's fraction is 0.3 of it there.
 sampler_mb = max((r["peak_memory_mb_sampler"] for r in ahead), default=float("inf"))
 check(sampler_mb <= 0.3 * gpu_mb, f"sampler GPU memory {sampler_mb:.0f} MB within its fraction 0.3 of {gpu_mb:.0f} MB")
+# ... and it is GPU memory, not the process's host RSS (weights reach this sampler through
+# gloo, so its weight device is the CPU): vLLM allocates its KV cache up front, so its
+# peak is most of its fraction.
+check(sampler_mb >= 0.15 * gpu_mb, f"sampler peak {sampler_mb:.0f} MB is GPU memory: at least half its fraction")
 same = bool(on_policy) and bool(ahead) and on_policy[0]["reward_mean"] == ahead[0]["reward_mean"] and on_policy[0]["tokens_sampled"] == ahead[0]["tokens_sampled"]
 check(same, "a second run reproduces step 0's rewards and sampled tokens (seeded sampling on GPU)")
 if ahead:

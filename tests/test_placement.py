@@ -2,6 +2,7 @@
 layouts: no GPU here, so this is how the GPU layouts are proven before any GPU run."""
 
 import os
+import subprocess
 
 import pytest
 
@@ -85,6 +86,40 @@ def test_no_driver_means_no_gpu_whatever_the_environment(tmp_path):
     places = layout(1, 3, 2, [])
     assert [p.gpu for p in places] == [None] * 3
     assert {p.learner_backend for p in places} == {"gloo"} and {p.weight_backend for p in places} == {"gloo"}
+
+
+FAKE_SMI = """#!/bin/sh
+[ "$1" = "-L" ] || exit 2
+for i in $(seq 0 $((FAKE_GPUS - 1))); do echo "GPU $i: NVIDIA H100 80GB HBM3 (UUID: GPU-$i)"; done
+"""
+
+
+@pytest.mark.parametrize("count, visible, expected", [(4, None, 4), (4, "2,3", 2), (2, "-1", 0), (0, "0,1", 0)])
+def test_gpus_are_found_without_the_drivers_proc_folder(tmp_path, count, visible, expected):
+    """Where /proc/driver/nvidia/gpus is absent (WSL2, some containers) the driver still
+    answers `nvidia-smi -L`: launch.sh (before any package is installed) and grpo.py
+    count the same GPUs from it, CUDA_VISIBLE_DEVICES still the filter."""
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text(FAKE_SMI)
+    smi.chmod(0o755)
+    env = {"PATH": f"{smi.parent}:{os.environ['PATH']}", "FAKE_GPUS": str(count)}
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    absent = str(tmp_path / "no_proc_folder")
+    os.environ["FAKE_GPUS"] = str(count)  # for the Python side's own nvidia-smi call
+    try:
+        gpus = visible_gpus({k: v for k, v in env.items() if k == "CUDA_VISIBLE_DEVICES"}, absent, str(smi))
+    finally:
+        del os.environ["FAKE_GPUS"]
+    assert len(gpus) == expected
+    if os.path.isdir("/proc/driver/nvidia/gpus"):
+        return  # launch.sh reads a real driver here
+    shell = subprocess.run(
+        ["bash", os.path.join(ROOT, "launch.sh"), "gpus"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert shell.returncode == 0 and int(shell.stdout) == expected, shell.stdout + shell.stderr
+    assert visible_gpus({}, absent, str(tmp_path / "absent_smi")) == []  # no driver at all
 
 
 def test_two_nodes_of_one_gpu():
@@ -187,3 +222,24 @@ def test_request_seeds_never_repeat_across_samplers_steps_and_requests():
     children = {s + j for s in seeds for j in range(8)}
     assert len(children) == 8 * len(keys)
     assert request_seed(0, 1, 2, 3) == request_seed(0, 1, 2, 3) != request_seed(1, 1, 2, 3)
+
+
+def test_the_sync_yardstick_copies_a_bounded_slice(monkeypatch):
+    """metrics.memcpy_seconds times a copy of the synced bytes on learner 0's device, the
+    GPU that holds the learner: it must not allocate twice the model there (17 GiB for
+    Qwen3.5-4B), only a bounded slice, and scale the time to the whole."""
+    import torch
+
+    import metrics
+
+    sizes = []
+    empty = torch.empty
+
+    def recording_empty(size, *args, **kwargs):
+        sizes.append(size)
+        return empty(size, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", recording_empty)
+    seconds = metrics.memcpy_seconds(8 * 2**30, torch.device("cpu"), max_bytes=2**20)
+    assert sizes and max(sizes) <= 2**20
+    assert 0 < seconds < 60  # 8 GiB at a copy rate of at least 140 MB/s

@@ -151,3 +151,40 @@ def test_tied_embeddings_sync_the_output_layer_too(tmp_path):
     gap = sync_and_compare(engine, path)
     print(f"tied model: sampler vs transformers log-prob max abs diff after sync: {gap:.2e}")
     assert gap < 1e-4
+
+
+def _probe_reload(worker):
+    """Wrap the model runner's reload so it records whether vLLM's current config is set
+    around it, as vLLM's own Worker.reload_weights sets it."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    original = worker.model_runner.reload_weights
+
+    def reload(*args, **kwargs):
+        worker.grpo_reload_config = get_current_vllm_config_or_none() is worker.vllm_config
+        return original(*args, **kwargs)
+
+    worker.model_runner.reload_weights = reload
+
+
+def _probe_result(worker):
+    del worker.model_runner.reload_weights  # the class's own method again
+    return worker.grpo_reload_config
+
+
+def test_a_reload_runs_inside_vllms_config_context(engine, tiny_model):
+    """Code under vLLM's reload may call get_current_vllm_config(), which raises outside
+    set_current_vllm_config(): the sync goes through the worker's entry point, which sets it."""
+    model = perturbed(tiny_model)
+    engine.llm.collective_rpc(_probe_reload)
+    engine.load_weights([(n, p.detach()) for n, p in model.named_parameters()])
+    assert engine.llm.collective_rpc(_probe_result) == [True]
+
+
+def test_a_prefix_cache_that_will_not_reset_stops_the_sampler(engine, tiny_model, monkeypatch):
+    """reset_prefix_cache() answers False while blocks are held: the cache would then serve
+    prefixes computed with the old weights, so the sync fails loudly instead."""
+    monkeypatch.setattr(engine.llm, "reset_prefix_cache", lambda *args, **kwargs: False)
+    model = perturbed(tiny_model)
+    with pytest.raises(RuntimeError, match="prefix cache"):
+        engine.load_weights([(n, p.detach()) for n, p in model.named_parameters()])
