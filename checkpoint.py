@@ -1,6 +1,7 @@
 """Surviving interruption: preemption signals, and finding, saving and loading the
 checkpoints that make a resumed run the run it would have been."""
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -15,17 +16,40 @@ import torch.distributed as dist
 import console
 
 PREEMPTED = 75  # exit status of every rank after a SIGTERM/SIGINT and a clean checkpoint
-STOP = {"at": None}  # when this rank was first signalled
+STOP = {"at": None, "abortable": False}  # when this rank was first signalled; inside abortable()
+
+
+class Preempted(BaseException):
+    """A stop signal cut this rank's step short. A BaseException, like KeyboardInterrupt, so
+    that no `except Exception` on the way (a reward's, vLLM's) swallows it."""
 
 
 def on_signal(signum, frame):
-    """First SIGTERM/SIGINT: finish the step, checkpoint, exit PREEMPTED. A second one a
-    second or more later exits at once (torchrun forwards the signal that a terminal
-    already sent the whole process group, so an immediate repeat is the same one)."""
+    """First SIGTERM/SIGINT: stop soon, whatever the step's length. Inside abortable() (a
+    sampler's sampling, scoring or eval) the work ends here, with Preempted; elsewhere the
+    flag is read at the next stopping point (a learner's next micro-batch or sync). A
+    second signal a second or more later exits at once (torchrun forwards the signal that
+    a terminal or a scheduler already sent the whole job, so an immediate repeat is the
+    same one)."""
     if STOP["at"] is None:
         STOP["at"] = time.time()
+        if STOP["abortable"]:
+            raise Preempted
     elif time.time() - STOP["at"] > 1.0:
         os._exit(PREEMPTED)
+
+
+@contextlib.contextmanager
+def abortable():
+    """Work that a stop signal may cut short at any point (Preempted is raised inside it),
+    because nothing of it is kept: a sampler's requests, rewards or eval of one step."""
+    STOP["abortable"] = True
+    try:
+        if STOP["at"] is not None:
+            raise Preempted
+        yield
+    finally:
+        STOP["abortable"] = False
 
 
 def exit_preempted():

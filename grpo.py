@@ -288,7 +288,7 @@ def overlong_penalty(length, max_new_tokens, buffer):
     return min(0.0, (max_new_tokens - buffer - length) / buffer) if buffer > 0 else 0.0
 
 
-def train_step(cfg, learner, rollouts, rank):
+def train_step(cfg, learner, rollouts, rank, stop=None):
     """One optimizer step on the step's rollouts (every learner holds all of them): group
     advantages, the optional filters, this learner's shard in micro-batches, then clip
     and step. Returns (this learner's metric sums: counts and per-token sums, its
@@ -320,7 +320,7 @@ def train_step(cfg, learner, rollouts, rank):
     def loss_fn(logp, sampler_logp, advantages, mask, ref_logp):
         return policy_loss(logp, sampler_logp, advantages, mask, cfg, ref_logp, **step_counts)
 
-    sums, token_sums, maxima = learner.forward_backward(mine, loss_fn, cfg.temperature)
+    sums, token_sums, maxima = learner.forward_backward(mine, loss_fn, cfg.temperature, stop)
     if batch:
         grad_norm = learner.clip_grad_and_step(cfg.max_grad_norm)
     else:  # every group dropped: no step at all, on any learner (they all see the same batch)
@@ -408,6 +408,14 @@ def run_sampler(cfg, path, index, num_samplers, weight_pg, rollout_pg, device, w
         base = {n: stored[c] for n, c in names.items() if c in stored}
         buckets = bucket_plan(adapter_plan(path, cfg), lambda name: torch.float32, int(cfg.sync_bucket_mb * 2**20))
 
+    def send(report):
+        """This sampler's part of an exchange. A signal that cut a sampler's work short
+        (its report is {"stopped": True}) ends the run at this exchange for every rank:
+        the learners checkpoint, then the samplers hear stop at the go/stop flag and exit."""
+        if any(r and r.get("stopped") for r in exchange(rollout_pg, report)):
+            control(weight_pg, 0, weight_device)
+            checkpoint.exit_preempted()
+
     def sync(step):
         """Load the weights of `step` (or stop), then evaluate them when an eval is due."""
         if control(weight_pg, 0, weight_device):
@@ -417,7 +425,12 @@ def run_sampler(cfg, path, index, num_samplers, weight_pg, rollout_pg, device, w
             weights = lora.merged_weights(base, dict(weights), cfg.lora_alpha / cfg.lora_rank)
         engine.load_weights(weights)
         if eval_due(cfg, step):
-            exchange(rollout_pg, {"eval": evaluate(engine, eval_prompts[index::num_samplers], cfg, reward_fns, step)})
+            try:  # a collective never runs inside abortable(): all ranks must join it or none
+                with checkpoint.abortable():
+                    result = {"eval": evaluate(engine, eval_prompts[index::num_samplers], cfg, reward_fns, step)}
+            except checkpoint.Preempted:
+                result = {"stopped": True}
+            send(result)
         return step
 
     first = checkpoint.start_step(cfg)
@@ -433,23 +446,29 @@ def run_sampler(cfg, path, index, num_samplers, weight_pg, rollout_pg, device, w
             [prompts[i] for i in step_indices(len(prompts), step, cfg.prompts_per_step, cfg.seed)], index, num_samplers
         )
         key = (cfg.seed, step, index)  # seeds every request of this step on this sampler
-        completions = engine.sample(
-            [p["prompt_ids"] for p in batch], cfg.group_size, cfg.max_new_tokens, cfg.temperature, key
-        )
-        rollouts = [Rollout(**c) for c in completions]
-        t2 = time.time()
-        records = [batch[i // cfg.group_size] for i in range(len(rollouts))]
-        totals, parts, counts = score_batch(
-            [c.text for c in rollouts], records, reward_fns, step, cfg.reward_timeout, cfg.reward_workers
-        )
+        try:
+            # A stop signal ends this at once, mid-request or mid-reward: the step is
+            # dropped and redone on --resume, where a long step would outlast the grace.
+            with checkpoint.abortable():
+                completions = engine.sample(
+                    [p["prompt_ids"] for p in batch], cfg.group_size, cfg.max_new_tokens, cfg.temperature, key
+                )
+                rollouts = [Rollout(**c) for c in completions]
+                t2 = time.time()
+                records = [batch[i // cfg.group_size] for i in range(len(rollouts))]
+                totals, parts, counts = score_batch(
+                    [c.text for c in rollouts], records, reward_fns, step, cfg.reward_timeout, cfg.reward_workers
+                )
+                # A broken reward must not train the model on zeros for hours: past the
+                # fraction, this sampler stops, and with it the job.
+                check_failures(counts, cfg.max_reward_errors, step)
+        except checkpoint.Preempted:
+            send({"stopped": True})  # and exits
         for c, total, p in zip(rollouts, totals, parts):
             c.reward, c.parts = total, p
-        # A broken reward must not train the model on zeros for hours: past the fraction,
-        # this sampler stops, and with it the job.
-        check_failures(counts, cfg.max_reward_errors, step)
         report = {"rollouts": rollouts, "weights_step": weights_step, "reward_counts": counts, "sample_s": t2 - t1}
         report.update(reward_s=time.time() - t2, peak_memory_mb=metrics.peak_memory_mb(device))
-        exchange(rollout_pg, report)
+        send(report)
         if not syncs_before_sampling(cfg, step, first):
             weights_step = sync(step)
 
@@ -520,20 +539,33 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         if report:
             report(row)
 
+    def stop(step, row):
+        """A signal reached a learner or a sampler: checkpoint the weights as they are,
+        those that start `step` (a step cut short left them untouched), tell the samplers
+        at their next go/stop flag, exit 75. --resume redoes `step`."""
+        checkpoint.save_checkpoint(cfg, learner, step, row, tokenizer)
+        if weight_pg is not None:
+            control(weight_pg, 1, weight_device)
+        saved = os.path.join(cfg.out_dir, "checkpoints", f"step_{step}")
+        console.preempted(
+            cfg.out_dir,
+            f"stopped by a signal after step {step}: checkpoint {saved} saved (--resume continues); exit {checkpoint.PREEMPTED}",
+            rank == 0,
+        )
+        checkpoint.exit_preempted()
+
+    def collect(step, row):
+        """The samplers' reports, or the stop of one that a signal cut short."""
+        reports = from_samplers(rollout_pg)
+        if any(r.get("stopped") for r in reports):
+            stop(step, row)
+        return reports
+
     def sync(step, row):
         """Send the weights of `step` (or, when signalled, checkpoint and stop), then
         collect the samplers' eval of them when one is due."""
         if checkpoint.stop_agreed(device):
-            checkpoint.save_checkpoint(cfg, learner, step, row, tokenizer)
-            if weight_pg is not None:
-                control(weight_pg, 1, weight_device)
-            saved = os.path.join(cfg.out_dir, "checkpoints", f"step_{step}")
-            console.preempted(
-                cfg.out_dir,
-                f"stopped by a signal after step {step}: checkpoint {saved} saved (--resume continues); exit {checkpoint.PREEMPTED}",
-                rank == 0,
-            )
-            checkpoint.exit_preempted()
+            stop(step, row)
         t0 = time.time()
         if weight_pg is not None:
             control(weight_pg, 0, weight_device)
@@ -542,7 +574,7 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         if not eval_due(cfg, step):
             return timing
         t1 = time.time()
-        evals = metrics.merge_evals(from_samplers(rollout_pg))
+        evals = metrics.merge_evals(collect(step, row))
         if rank == 0:
             console.say(metrics.eval_line(step, evals))
         return {**timing, "eval_s": time.time() - t1, **evals}
@@ -556,14 +588,21 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
                 write_row({"step": step, **extra})
             break
         t1 = time.time()
-        reports = from_samplers(rollout_pg)
+        reports = collect(step, row)
         t2 = time.time()
         if not before:
             extra = sync(step, row)
         rollouts = [c for r in reports for c in r["rollouts"]]
         lr = learner.schedule.get_last_lr()[0]
         t3 = time.time()
-        sums, token_sums, maxima, grad_norm = train_step(cfg, learner, rollouts, rank)
+        try:  # a signal drops the step between two micro-batches, on every learner alike
+            sums, token_sums, maxima, grad_norm = train_step(
+                cfg, learner, rollouts, rank, stop=lambda: checkpoint.stop_agreed(device)
+            )
+        except checkpoint.Preempted:
+            if not syncs_before_sampling(cfg, step + 1, first):
+                from_samplers(rollout_pg)  # one step ahead, the samplers send step + 1 before they listen
+            stop(step, row)
         maxima["peak_memory_mb"] = metrics.peak_memory_mb(device)
         t4 = time.time()
         (sums, token_sums), maxima = metrics.reduce_metrics([sums, token_sums], maxima, device)

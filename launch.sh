@@ -103,8 +103,9 @@ mkdir -p "$LOGS"
 rm -f "$LOGS/failed" "$LOGS/preempted" "$LOGS"/peer_error_*
 "${TORCHRUN[@]}" 2>"$TORCHRUN_LOG" &
 PID=$!
-trap 'kill -TERM "$PID" 2>/dev/null || true' TERM HUP
-trap ':' INT
+SIGNALLED=""
+trap 'SIGNALLED=1; kill -TERM "$PID" 2>/dev/null || true' TERM HUP
+trap 'SIGNALLED=1' INT
 while kill -0 "$PID" 2>/dev/null; do
     wait "$PID" || true
 done
@@ -118,7 +119,17 @@ tail_of() {  # the last lines of a log, indented; a progress bar's redraws count
 }
 if [ "$STATUS" -ne 0 ] && [ ! -f "$LOGS/failed" ]; then
     if [ -f "$LOGS/preempted" ]; then
-        exit 75
+        exit 75  # rank 0 said what it saved
+    fi
+    if [ -n "$SIGNALLED" ]; then  # signalled, and the ranks were stopped before they could save
+        LATEST=$(cat "$OUT_DIR/checkpoints/latest" 2>/dev/null || true)
+        echo
+        if [ -n "$LATEST" ]; then
+            echo "stopped by a signal before a checkpoint of this step was saved: the newest is $OUT_DIR/checkpoints/$LATEST (--resume continues from it); logs in $LOGS"
+        else
+            echo "stopped by a signal before any checkpoint was saved: nothing to resume; logs in $LOGS"
+        fi
+        exit "$STATUS"
     fi
     # torchrun's failures, each as "rank : 2 (local_rank: 2)", "exitcode : -9 (pid: ...)" and
     # "traceback : Signal 9 (SIGKILL) received by PID ...": its root cause first, then the

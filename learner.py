@@ -25,6 +25,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 import lora as lora_module
 import metrics
+from checkpoint import Preempted
 from comm import checkpoint_files
 
 
@@ -423,18 +424,22 @@ class Learner:
         zeros = torch.zeros(1, 1, device=self.device)
         return ids, torch.ones_like(ids), zeros, zeros, torch.zeros(1, device=self.device)
 
-    def forward_backward(self, micro_batches, loss_fn, temperature):
+    def forward_backward(self, micro_batches, loss_fn, temperature, stop=None):
         """Accumulate gradients of sum(loss_fn(...)) over micro-batches. loss_fn gets
         whole-step normalisers from the caller, so summing micro-batch losses gives the
         full-batch loss exactly. Returns this learner's (counts, sums over its tokens of
         the per-token metrics, maxima), with one host sync at the end, not one per
-        micro-batch."""
+        micro-batch. `stop()`, asked before each micro-batch by every learner alike (it is
+        a collective), drops the step: its gradients are cleared and Preempted raised."""
         sums, token_sums, maxima = {}, {}, {}
 
         def add(into, key, value):
             into[key] = into.get(key, 0.0) + value.detach()
 
         for rollouts in micro_batches:
+            if stop is not None and stop():
+                self.optimizer.zero_grad(set_to_none=True)
+                raise Preempted
             ids, attention, mask, sampler_logp, advantages = self.collate(rollouts) if rollouts else self.idle_batch()
             logp, entropy = self.token_logprobs(self.model, ids, attention, temperature)
             ref_logp = None

@@ -9,6 +9,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch.sh test --version >/dev/null  # builds .venv on a fresh machine
 .venv/bin/pip install -q -r recipes/requirements-qwen3_5.txt
+# causal-conv1d compiles a CUDA kernel on install. Without --no-build-isolation pip would
+# build it in a scratch environment with whatever torch the index serves, and the kernel
+# would not load beside the pinned one: it builds here against .venv's own torch.
+.venv/bin/pip install -q ninja packaging wheel setuptools
+.venv/bin/pip install -q --no-build-isolation causal-conv1d==1.7.0
 NPROC=8 LEARNERS=4 exec bash launch.sh \
     --model Qwen/Qwen3.5-4B \
     --dataset gsm8k \

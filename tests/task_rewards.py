@@ -98,3 +98,13 @@ def brevity(completion, record):
     """1 for an empty reply, down to 0 at 100 characters: a reward whose groups are never
     uniform, so every step of a short test run moves the weights."""
     return 1.0 - min(len(completion), 100) / 100
+
+
+def slow_at_step(completion, record):
+    """0, after 600 s at the step that GRPO_TEST_SLOW_STEP ('<step>:<marker file>') names,
+    where it first touches the marker: a step made minutes long, for the preemption tests."""
+    step, _, marker = os.environ.get("GRPO_TEST_SLOW_STEP", "-1:").partition(":")
+    if record["step"] == int(step):
+        open(marker, "a").close()
+        time.sleep(600)
+    return 0.0

@@ -154,6 +154,72 @@ def test_preemption_checkpoints_and_every_rank_exits_with_75(tiny_model, tmp_pat
     assert step == len(rows(out))  # the checkpoint holds exactly the steps logged
 
 
+def finished(exits, ranks=3):
+    return len([f for f in os.listdir(exits) if f.startswith("rank_") and not f.endswith(".tmp")]) == ranks
+
+
+@pytest.mark.parametrize("long_part, signalled", [("sampler", "torchrun"), ("learner", "job")])
+def test_a_signal_cuts_a_long_step_short_within_20_s(straight, tmp_path, long_part, signalled):
+    """A step far longer than a scheduler's grace (30 s): a reward that sleeps 600 s at step
+    2 (the sampler's half), or 2 s per micro-batch in 64 micro-batches (the learners' half,
+    one step ahead). SIGTERM to torchrun alone, or to every process of the job: the step
+    is dropped, the last complete one checkpointed and every rank gone, with status 75,
+    within 20 s of the signal; --resume redoes the dropped step, and on-policy the run
+    is the uninterrupted one (the `straight` run: a weight-0 reward changes nothing)."""
+    out, exits = tmp_path / "run", tmp_path / "exits"
+    exits.mkdir()
+    marker = tmp_path / "slow"
+    if long_part == "sampler":
+        os.environ["GRPO_TEST_SLOW_STEP"] = f"2:{marker}"
+        flags = ["--steps", 4, "--rewards", "accuracy,format,tests.task_rewards:slow_at_step=0"]
+        flags += ["--reward-timeout", 900]
+    else:
+        os.environ["GRPO_TEST_SLOW_LEARNER"] = str(marker)
+        flags = ["--steps", 1000, "--objective", "tests.user_objective:slow_clip", "--max-staleness", 1]
+        flags += ["--prompts-per-step", 32, "--micro-batch-size", 1, "--max-tokens-per-microbatch", 0]
+    try:
+        proc = start(out, *flags, exits=exits)
+    finally:
+        os.environ.pop("GRPO_TEST_SLOW_STEP", None)
+        os.environ.pop("GRPO_TEST_SLOW_LEARNER", None)
+    try:
+        if long_part == "learner":
+            wait_for(lambda: len(rows(out)) >= 2, proc)
+            (tmp_path / "slow.go").touch()
+        wait_for(marker.exists, proc)
+        time.sleep(1.0)  # well inside the long part
+        signalled_at = time.time()
+        for pid in children(proc.pid) if signalled == "job" else []:
+            os.killpg(pid, signal.SIGTERM)  # each rank's process group: the rank and its reward workers
+        os.killpg(proc.pid, signal.SIGTERM)
+        step = len(rows(out))  # the step cut short
+        wait_for(lambda: latest(out) == f"step_{step}", proc, timeout=60, poll=0.05)
+        saved_s = time.time() - signalled_at
+        wait_for(lambda: finished(exits), proc, timeout=60, poll=0.05)
+        exited_s = time.time() - signalled_at
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    print(
+        f"{long_part} step cut short at step {step}: checkpoint complete {saved_s:.1f} s and every rank exited {exited_s:.1f} s after the signal"
+    )
+    status = {f: int((exits / f).read_text()) for f in sorted(os.listdir(exits))}
+    assert status == {"rank_0": 75, "rank_1": 75, "rank_2": 75}, (status, output[-3000:])
+    assert exited_s < 20, exited_s
+    assert len(rows(out)) == step  # nothing of the dropped step was logged
+    if long_part == "learner":
+        return
+    assert step == 2
+    result = torchrun(3, *FAST, "--steps", 4, "--out-dir", out, "--resume")
+    assert result.returncode == 0, result.stdout[-3000:]
+    a, b = rows(straight), rows(out)
+    assert [r["step"] for r in b] == [0, 1, 2, 3]
+    for key in ("reward_mean", "loss", "grad_norm"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    wa, wb = weights(straight / "final"), weights(out / "final")
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) == 0.0
+
+
 def test_existing_run_is_refused_and_bad_checkpoints_are_named(straight, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(straight, out)

@@ -1,37 +1,82 @@
-"""Two nodes on one machine: two launch.sh (torchrun) invocations with NNODES=2 and
-NODE_RANK 0/1 on one master address and port form one job, as two real nodes would."""
+"""Two nodes on one machine, started the way recipes/slurm.sbatch starts them on a cluster:
+the script itself runs, with SLURM's `srun` and `scontrol` stood in for by two small
+scripts (srun starts its command once per node, as SLURM's node ids 0 and 1), and the two
+launch.sh (torchrun) invocations form one job, as two real nodes would."""
 
 import json
 import os
+import random
+import socket
 import subprocess
 import sys
 
-from conftest import FAST, ROOT, free_port
+from conftest import FAST, ROOT
+
+SRUN = """#!/usr/bin/env bash
+# srun's part here: one task per node, SLURM_NODEID 0..N-1, each task's environment
+# written down; its own options are skipped; exits with the worst status.
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for node in $(seq 0 $((SLURM_JOB_NUM_NODES - 1))); do
+    env | grep -E '^(MASTER_ADDR|MASTER_PORT|NNODES|NODE_LOGS)=' | sort >"$SRUN_ENV_DIR/node$node.env"
+    SLURM_NODEID=$node "$@" &
+    pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit $status
+"""
+SCONTROL = """#!/usr/bin/env bash
+[ "$1 $2" = "show hostnames" ] && printf '127.0.0.1\\nnode-b\\n'
+"""
 
 
-def test_two_nodes_form_one_job(tiny_model, tmp_path):
-    out = tmp_path / "run"
-    port = free_port()
+def port_in_slurms_range():
+    """A free port the script's derivation can yield: 20000 + job id % 20000."""
+    for port in random.sample(range(20000, 40000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port in 20000-39999")
+
+
+def test_the_slurm_script_starts_one_job_on_two_nodes(tiny_model, tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    port = port_in_slurms_range()
+    job_id = 3 * 20000 + port - 20000
+    out, node_logs = tmp_path / "run", tmp_path / "nodes"
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK")}
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=sys.executable, SRUN_ENV_DIR=str(tmp_path))
+    env.update(SLURM_JOB_ID=str(job_id), SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="node-a,node-b")
+    env.update(SLURM_SUBMIT_DIR=ROOT, NODE_LOGS=str(node_logs))
+    # 2 ranks per node, 1 learner: rank 0 learns; ranks 1 (node 0), 2 and 3 (node 1) sample.
+    env.update(NPROC="2", LEARNERS="1")
     flags = [*FAST, "--steps", 2, "--prompts-per-step", 3, "--out-dir", out]
-    nodes = []
-    for node in (0, 1):
-        # 2 ranks per node, 1 learner: rank 0 learns; ranks 1 (node 0), 2 and 3 (node 1) sample.
-        env = {
-            **os.environ,
-            "PYTHON": sys.executable,
+    script = os.path.join(ROOT, "recipes", "slurm.sbatch")
+    result = subprocess.run(["bash", script, *map(str, flags)], env=env, capture_output=True, text=True, timeout=600)
+    logs = {
+        n: (node_logs / f"node{n}.log").read_text() if (node_logs / f"node{n}.log").exists() else "" for n in (0, 1)
+    }
+    assert result.returncode == 0, result.stdout + result.stderr + logs[0][-3000:] + logs[1][-3000:]
+    # what the script derived from SLURM's variables, as each node got it
+    for n in (0, 1):
+        derived = dict(line.split("=", 1) for line in (tmp_path / f"node{n}.env").read_text().split())
+        assert derived == {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
             "NNODES": "2",
-            "NODE_RANK": str(node),
-            "NPROC": "2",
-            "LEARNERS": "1",
+            "NODE_LOGS": str(node_logs),
         }
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        cmd = ["bash", os.path.join(ROOT, "launch.sh"), *map(str, flags)]
-        nodes.append(
-            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        )
-    outputs = [p.communicate(timeout=600)[0] for p in nodes]
-    for node, (p, output) in enumerate(zip(nodes, outputs)):
-        assert p.returncode == 0, f"node {node}:\n{output[-4000:]}"
+    assert f"rendezvous 127.0.0.1:{port}" in result.stdout
+    assert logs[0].startswith("grpo: tiny on synthetic, 2 steps; 1 learner + 3 samplers on 2 nodes x CPU")
+    assert (out / "logs" / "torchrun_node0.log").exists() and (out / "logs" / "torchrun_node1.log").exists()
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:

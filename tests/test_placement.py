@@ -243,3 +243,13 @@ def test_the_sync_yardstick_copies_a_bounded_slice(monkeypatch):
     seconds = metrics.memcpy_seconds(8 * 2**30, torch.device("cpu"), max_bytes=2**20)
     assert sizes and max(sizes) <= 2**20
     assert 0 < seconds < 60  # 8 GiB at a copy rate of at least 140 MB/s
+
+
+def test_the_recipe_builds_causal_conv1d_against_the_installed_torch():
+    """causal-conv1d compiles on install; under pip's build isolation it would compile
+    against whatever torch the index serves, not the pinned one in .venv."""
+    with open(os.path.join(ROOT, "recipes", "qwen3_5_4b_gsm8k.sh")) as f:
+        installs = [line for line in f if "pip install" in line and "causal-conv1d" in line]
+    with open(os.path.join(ROOT, "recipes", "requirements-qwen3_5.txt")) as f:
+        listed = [line for line in f if line.strip().startswith("causal-conv1d")]
+    assert len(installs) == 1 and "--no-build-isolation" in installs[0] and not listed

@@ -8,3 +8,18 @@ def reinforce(logp, sampler_logp, advantages, mask, cfg):
     """Plain REINFORCE with group advantages: -A log pi per token, no ratio."""
     per_token = -advantages[:, None] * logp  # [B, T]
     return per_token, {"ratio_mean": (torch.exp(logp - sampler_logp).detach() * mask).sum()}
+
+
+def slow_clip(logp, sampler_logp, advantages, mask, cfg):
+    """The clipped objective, 2 s slower per micro-batch once the file GRPO_TEST_SLOW_LEARNER
+    names + '.go' exists (it touches the file itself then): a learner step made minutes long."""
+    import os
+    import time
+
+    from grpo import clip
+
+    marker = os.environ.get("GRPO_TEST_SLOW_LEARNER", "")
+    if marker and os.path.exists(marker + ".go"):
+        open(marker, "a").close()
+        time.sleep(2)
+    return clip(logp, sampler_logp, advantages, mask, cfg)
