@@ -1,9 +1,9 @@
-"""Processes and transport: the process groups every rank builds on torchrun's store,
-the pickled exchange of rollouts, the go/stop flag, and both sides of the weight sync
-(the bucket plan that learner 0 and the samplers share, the broadcast, the receive)."""
+"""Processes and transport: where each rank runs (the GPUs a node shows, a pure placement
+function, launch.sh's layout table), the process groups every rank builds on torchrun's
+store, the pickled exchange of rollouts, the go/stop flag, and both sides of the weight
+sync (the bucket plan that learner 0 and the samplers share, the broadcast, the receive)."""
 
 import ctypes
-import json
 import os
 import pickle
 import signal
@@ -39,16 +39,6 @@ def visible_gpus(environ=os.environ, driver="/proc/driver/nvidia/gpus", smi="nvi
     if "CUDA_VISIBLE_DEVICES" in environ:
         return [g.strip() for g in environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip() and g.strip() != "-1"]
     return [str(i) for i in range(count)]
-
-
-def cpu_has_bf16(cpuinfo="/proc/cpuinfo"):
-    """Whether this CPU multiplies in bf16 natively (AVX512-BF16 or AMX), from its flags."""
-    try:
-        with open(cpuinfo) as f:
-            flags = set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 @dataclass
@@ -175,91 +165,6 @@ def die_with_parent():
 
 
 # ---------------------------------------------------------------- the weight sync
-
-
-def weight_plan(path):
-    """(name, shape) of every parameter in Hugging Face order: what the learner sends."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-    return [(name, p.shape) for name, p in model.named_parameters()]
-
-
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-
-
-def is_hybrid(path):
-    """Whether a model's (text) config mixes recurrent layers into its attention layers:
-    any layer_types entry that is not attention (a gated delta net's 'linear_attention',
-    a mamba or conv block). Such models need vLLM's mamba state cache."""
-    from transformers import AutoConfig
-
-    layer_types = getattr(AutoConfig.from_pretrained(path).get_text_config(), "layer_types", None) or []
-    return any(t not in ATTENTION_LAYER_TYPES for t in layer_types)
-
-
-def model_file(path, name):
-    """A file of a local folder or a hub model (fetched into the cache), or None."""
-    if os.path.isdir(path):
-        file = os.path.join(path, name)
-        return file if os.path.exists(file) else None
-    from transformers.utils import cached_file
-
-    return cached_file(path, name, _raise_exceptions_for_missing_entries=False)
-
-
-def checkpoint_files(path):
-    """{stored parameter name: safetensors file} of a model: from its index when it is
-    sharded, else from the one file's header (no tensor is read)."""
-    index = model_file(path, "model.safetensors.index.json")
-    if index:
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return {name: os.path.join(os.path.dirname(index), file) for name, file in weight_map.items()}
-    from safetensors import safe_open
-
-    single = model_file(path, "model.safetensors")
-    if single is None:
-        raise ValueError(f"{path} has no safetensors weights")
-    with safe_open(single, "pt") as f:
-        return {name: single for name in f.keys()}
-
-
-def text_to_checkpoint(names, stored):
-    """{name in the trained model: name in the checkpoint} for a text model loaded out of
-    a checkpoint that may store it under other names: a composite's language model under
-    'model.language_model.' where AutoModelForCausalLM says 'model.' (Qwen3.5), an older
-    'language_model.lm_head.' for 'lm_head.'. Derived from the stored names alone: the
-    names of each top-level module ('model', 'lm_head') move under the one prefix that
-    holds all of their suffixes; the module's own name wins a tie, so a checkpoint that
-    stores the names as they are maps each to itself. Names stored in no form (fused
-    experts, which the engine splits itself) move with their module. Raises ValueError
-    when a module's place is not decided."""
-    stored = set(stored)
-    groups = {}
-    for name in names:
-        groups.setdefault(name.split(".", 1)[0], []).append(name)
-    mapping = {}
-    for top, group in groups.items():
-        prefixes = None
-        for name in group:
-            rest = name[len(top) + 1 :]
-            found = {s[: len(s) - len(rest)] for s in stored if s.endswith("." + rest)}
-            if found:
-                prefixes = found if prefixes is None else prefixes & found
-        prefixes = prefixes or set()
-        if len(prefixes) > 1:
-            prefixes = (
-                {p for p in prefixes if p == f"{top}."} or {p for p in prefixes if p.endswith(f".{top}.")} or prefixes
-            )
-        if len(prefixes) != 1:
-            raise ValueError(
-                f"cannot place {top}.* in the checkpoint: {len(prefixes)} candidate prefixes {sorted(prefixes)[:3]}"
-            )
-        prefix = prefixes.pop()
-        mapping.update({name: prefix + name[len(top) + 1 :] for name in group})
-    return mapping
 
 
 def param_key(name):

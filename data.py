@@ -8,10 +8,9 @@ import random
 from collections import Counter
 
 from console import warn
-from rewards import BUILTIN, parse_reward_spec
+from gsm8k import HUB_DATASET, SYSTEM_PROMPT
+from rewards import parse_reward_spec
 
-SYSTEM_PROMPT = "Solve the problem. End your reply with a line '#### <answer>'."
-HUB_GSM8K = "openai/gsm8k"
 DEFAULT_REWARDS = "accuracy,format"
 
 
@@ -64,7 +63,7 @@ FILE_TYPES = (".jsonl", ".json", ".parquet")
 def dataset_error(dataset):
     """Why --dataset cannot work, or None: a file name that is not there, or not of a type
     read here. Any other name is taken for a hub dataset, which only loading can check."""
-    if dataset in ("synthetic", "gsm8k", HUB_GSM8K) or os.path.isdir(dataset):
+    if dataset in ("synthetic", "gsm8k", HUB_DATASET[0]) or os.path.isdir(dataset):
         return None
     if os.path.isfile(dataset):
         return None if dataset.endswith(FILE_TYPES) else f"{dataset} is not .jsonl, .json or .parquet"
@@ -91,7 +90,7 @@ def read_rows(dataset, split):
 
     if dataset.endswith(".parquet") and os.path.isfile(dataset):
         return list(datasets.load_dataset("parquet", data_files=dataset, split="train"))
-    name, config = (HUB_GSM8K, "main") if dataset in ("gsm8k", HUB_GSM8K) else (dataset, None)
+    name, config = HUB_DATASET if dataset in ("gsm8k", HUB_DATASET[0]) else (dataset, None)
     try:
         return list(datasets.load_dataset(name, config, split=split))
     except Exception as e:  # not on the hub, no network, no such split: one line, not a traceback
@@ -200,14 +199,15 @@ def load_prompts(
 ):
     """The records to train or evaluate on: every column of each usable row, plus "prompt"
     and "prompt_ids". `reward_fns` (parse_reward_spec's; default accuracy and format)
-    decide which rows are usable, and whether the GSM8K answer-format instruction is the
-    system prompt: only with a GSM8K reward, and never for the synthetic task."""
+    decide which rows are usable, and the system prompt: the instruction the first reward
+    that declares one scores (`fn.system_prompt`; GSM8K's for its rewards), never for the
+    synthetic task."""
     reward_fns = parse_reward_spec(DEFAULT_REWARDS) if reward_fns is None else reward_fns
     source = f"{dataset} [{split}]"
     # The tiny model learns the answer format in its warm-up, not from instructions,
     # and the system prompt would be half the tokens it trains on.
-    gsm8k = any(fn in BUILTIN.values() for _, fn, _ in reward_fns)
-    system_prompt = SYSTEM_PROMPT if gsm8k and dataset != "synthetic" else None
+    declared = [fn.system_prompt for _, fn, _ in reward_fns if getattr(fn, "system_prompt", None)]
+    system_prompt = declared[0] if declared and dataset != "synthetic" else None
     rows = clean_rows(read_rows(dataset, split), source, reward_fns, prompt_field, messages_field)
     return build_prompts(rows, tokenizer, max_prompt_len, source, system_prompt, prompt_field, messages_field)
 

@@ -75,11 +75,16 @@ done
 OUT_DIR=$(WORLD_SIZE=$(( NPROC * NNODES )) LOCAL_WORLD_SIZE=$NPROC GROUP_RANK=$NODE_RANK LOCAL_RANK=0 \
     "$PYTHON" grpo.py check --learners "$LEARNERS" "$@") || exit $?
 
+# One node: a free port, so that two jobs on one machine do not collide on torchrun's 29500.
+if [ -z "${MASTER_PORT:-}" ]; then
+    MASTER_PORT=29500
+    [ "$NNODES" -eq 1 ] && MASTER_PORT=$("$PYTHON" -c 'import comm; print(comm.free_port())')
+fi
 TORCHRUN=("$PYTHON" -m torch.distributed.run
     --nnodes "$NNODES"
     --node-rank "$NODE_RANK"
     --master-addr "${MASTER_ADDR:-127.0.0.1}"
-    --master-port "${MASTER_PORT:-29500}"
+    --master-port "$MASTER_PORT"
     --nproc-per-node "$NPROC"
     grpo.py --learners "$LEARNERS" "$@")
 

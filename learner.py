@@ -2,15 +2,11 @@
 forward/backward over micro-batches, grad clipping and the optimizer step, its full
 parameters for the weight sync, and its state for checkpoints."""
 
-import json
 import os
-import shutil
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -20,13 +16,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 import lora as lora_module
 import metrics
 from checkpoint import Preempted
-from comm import checkpoint_files
+from models import restore_architecture
 
 
 def load_sharded(model_path, mesh, device, compute_dtype, gradient_checkpointing=False, frozen=False, adapters=None):
@@ -266,59 +262,6 @@ def device_memory(device, learners):
     return kib("MemAvailable"), kib("VmRSS"), max(1, min(learners, local))
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf")
-
-
-def restore_architecture(saved, source):
-    """Make `saved`, a text model that save_pretrained wrote, the architecture of `source`,
-    the checkpoint it was loaded from, when that is a composite whose text model alone was
-    trained (Qwen3.5: AutoModelForCausalLM trains Qwen3_5ForCausalLM out of a
-    Qwen3_5ForConditionalGeneration). save_pretrained already writes the text weights
-    under the checkpoint's own names (it reverses the renaming it loaded them with); this
-    adds the rest: source's config.json and every other non-weight file (processor,
-    chat template, generation config) as they are, and source's weights that the text
-    model did not write (a vision tower, MTP layers) in a shard of their own, untouched,
-    with an index over both. A text checkpoint is left as it is. Returns the names
-    carried over."""
-    config = AutoConfig.from_pretrained(source)
-    if config.get_text_config() is config:
-        return []
-    if os.path.isdir(source):
-        folder = source
-    else:
-        from huggingface_hub import snapshot_download
-
-        folder = snapshot_download(source)  # already in the cache: the learners loaded it
-    written, stored = checkpoint_files(saved), checkpoint_files(folder)
-    foreign = sorted(set(written) - set(stored))
-    if foreign:
-        raise ValueError(
-            f"the trained model wrote weights that {source} does not hold, e.g. {foreign[:3]}: not its text model"
-        )
-    for name in os.listdir(folder):
-        file = os.path.join(folder, name)
-        if os.path.isfile(file) and not name.startswith(".") and not name.endswith(WEIGHT_SUFFIXES + (".index.json",)):
-            shutil.copyfile(file, os.path.join(saved, name))
-    carried = sorted(set(stored) - set(written))
-    tensors = {}
-    for file in sorted({stored[n] for n in carried}):
-        with safe_open(file, "pt") as f:
-            tensors.update({n: f.get_tensor(n) for n in carried if stored[n] == file})
-    single = os.path.join(saved, "model.safetensors")
-    if os.path.exists(single):  # one file and no index: transformers would read that file alone
-        os.rename(single, os.path.join(saved, "model-text.safetensors"))
-        written = {n: os.path.join(saved, "model-text.safetensors") for n in written}
-    if tensors:
-        save_file(tensors, os.path.join(saved, "model-carried.safetensors"), metadata={"format": "pt"})
-    weight_map = {n: os.path.basename(f) for n, f in written.items()} | {
-        n: "model-carried.safetensors" for n in tensors
-    }
-    total = sum(os.path.getsize(os.path.join(saved, f)) for f in set(weight_map.values()))
-    with open(os.path.join(saved, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-    return carried
-
-
 class Learner:
     def __init__(
         self,
@@ -446,7 +389,7 @@ class Learner:
             if self.reference is not None:
                 with torch.no_grad(), lora_module.adapters_off(self.reference):
                     ref_logp = self.token_logprobs(self.reference, ids, attention, temperature, entropy=False)[0]
-            loss, metrics = loss_fn(logp, sampler_logp, advantages, mask, ref_logp)
+            loss, stats = loss_fn(logp, sampler_logp, advantages, mask, ref_logp)
             (loss * self.grad_scale).backward()
             # Synchronous sampling used the weights the learner holds before its update,
             # so any gap is numerical mismatch between the two engines (or a broken
@@ -454,7 +397,7 @@ class Learner:
             diff = (logp.detach() - sampler_logp).abs() * mask  # [B, T-1]
             add(sums, "loss", loss)
             add(sums, "tokens", mask.sum())
-            for k, v in {**metrics, "mismatch_mean": diff.sum(), "entropy": (entropy * mask).sum()}.items():
+            for k, v in {**stats, "mismatch_mean": diff.sum(), "entropy": (entropy * mask).sum()}.items():
                 add(token_sums, k, v)
             maxima["mismatch"] = torch.maximum(maxima.get("mismatch", diff.new_zeros(())), diff.max().detach())
         return [{k: float(v) for k, v in d.items()} for d in (sums, token_sums, maxima)]

@@ -18,7 +18,8 @@ from transformers import AutoConfig
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
-from comm import checkpoint_files, is_hybrid, param_key, text_to_checkpoint, weight_plan
+from comm import param_key
+from models import checkpoint_files, is_hybrid, text_to_checkpoint, weight_plan
 
 # vLLM's Triton dispatcher trips torch's deprecation of torch.distributed.reduce_op as it
 # scans modules, twice at start: nothing a user of this repo can act on.

@@ -1,6 +1,6 @@
 """The GPU path on a machine that has torch and transformers but neither vLLM nor the
 network, where benchmarks/gpu_check.sh (which installs requirements.txt and downloads
-the hub model) cannot run. It runs grpo.main itself under torchrun, 1 learner + 1
+the hub model) cannot run. It runs job.main itself under torchrun, 1 learner + 1
 sampler sharing one GPU as launch.sh places them, on the tiny model, with one piece
 stood in for: the sampler's engine is transformers' generate in the engine's dtype
 (GenerateEngine below), because vLLM is not there. Everything else is the real run:
@@ -91,16 +91,16 @@ class GenerateEngine:
 
 
 def rank_main():
-    """One torchrun rank: grpo.main, with the engine stood in for on the sampler rank."""
+    """One torchrun rank: job.main, with the engine stood in for on the sampler rank."""
     import types
 
     from torch.distributed.elastic.multiprocessing.errors import record
 
     sys.modules["sampler"] = module = types.ModuleType("sampler")
     module.Sampler = GenerateEngine
-    import grpo
+    import job
 
-    record(grpo.main)(sys.argv[1:])
+    record(job.main)(sys.argv[1:])
 
 
 def run(out, *flags):

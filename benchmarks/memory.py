@@ -117,7 +117,8 @@ def worker(args):
 
     import metrics
     from comm import free_port
-    from grpo import Config, train_step
+    from config import Config
+    from grpo import train_step
     from learner import Learner
 
     cuda = torch.cuda.is_available()

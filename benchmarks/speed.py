@@ -52,9 +52,10 @@ def sampler_against_bare_vllm(grpo_args, repeats=5):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from comm import cpu_has_bf16, visible_gpus
+    from comm import visible_gpus
+    from config import cpu_has_bf16, parse_config, resolve
     from data import load_prompts
-    from grpo import model_path, parse_config, resolve
+    from job import model_path
     from sampler import Sampler
 
     cfg = resolve(parse_config([*grpo_args, "--overwrite"]), 2, bool(visible_gpus()), cpu_has_bf16())

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from grpo import Rollout, parse_config, resolve, train_step  # noqa: E402
+from config import parse_config, resolve  # noqa: E402
+from grpo import Rollout, train_step  # noqa: E402
 from learner import Learner  # noqa: E402
 
 G, MAX_NEW, VOCAB = 4, 12, 259

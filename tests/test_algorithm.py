@@ -11,8 +11,9 @@ import sys
 import pytest
 import torch
 
+from config import Config
 from conftest import ROOT, free_port
-from grpo import Config, group_advantages, overlong_penalty, policy_loss
+from grpo import group_advantages, overlong_penalty, policy_loss
 
 # ---------------------------------------------------------------- independent references
 
@@ -307,7 +308,7 @@ def test_cispo_matches_loop(seed):
 def test_sapo_matches_loop(seed):
     logp, old, _, adv, mask = random_batch(seed)
     x = logp.clone().requires_grad_()
-    loss, _ = policy_loss(x, old, adv, mask, loss_config(objective="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.5))
+    loss, _ = policy_loss(x, old, adv, mask, loss_config(objective="sapo", objective_args="tau_pos=1.0,tau_neg=1.5"))
     loss.backward()
     want_loss, want_grad = ref_sapo(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), 1.0, 1.5)
     assert loss.item() == pytest.approx(want_loss, rel=1e-10)

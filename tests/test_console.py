@@ -70,7 +70,10 @@ def test_default_run_prints_a_start_line_a_bar_evals_and_a_summary(tiny_model, t
     lines = console_lines(raw)
     print("\n".join(lines))
     assert len(lines) <= 15, lines
-    assert lines[0] == f"grpo: tiny on synthetic, 3 steps; 2 learners + 1 sampler on CPU; logs in {out}/logs/"
+    assert (
+        lines[0]
+        == f"grpo: tiny on synthetic, 3 steps; 2 learners + 1 sampler on CPU (no NVIDIA GPU found); logs in {out}/logs/"
+    )
     assert [line.split(":")[0] for line in lines if line.startswith("eval at step")] == [
         "eval at step 0",
         "eval at step 3",
@@ -140,10 +143,17 @@ def test_help_needs_no_torchrun():
         [sys.executable, os.path.join(ROOT, "grpo.py"), "--help"], env=env, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0 and result.stdout.startswith("usage: grpo.py") and "--out-dir" in result.stdout
+    # every flag has its field's comment as its help, and --help shows it
+    from config import field_help
+
+    helps = field_help()
+    assert all(helps.values()), [name for name, text in helps.items() if not text]
+    shown = "".join(result.stdout.split())  # argparse wraps the help text, at hyphens too
+    assert all("".join(text.split()) in shown for text in helps.values())
 
 
 BROKEN_OBJECTIVE = """
-def objective(logp, sampler_logp, advantages, mask, cfg):
+def objective(logp, sampler_logp, advantages, mask):
     raise RuntimeError("boom in the objective")
 """
 

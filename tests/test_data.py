@@ -6,7 +6,8 @@ from task_rewards import write_task
 
 import data
 import tiny
-from rewards import gsm8k_accuracy, gsm8k_format, parse_gsm8k_answer, parse_reward_spec
+from gsm8k import SYSTEM_PROMPT, gsm8k_accuracy, gsm8k_format, parse_gsm8k_answer
+from rewards import parse_reward_spec
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,7 @@ def test_local_files_every_format(tmp_path, tokenizer):
         assert [parse_gsm8k_answer(p["answer"]) for p in prompts] == ["1", "2", "3", "4", "5"]
         assert prompts[0]["prompt"] == "What is 0+1?" and prompts[0]["question"] == "What is 0+1?"
         text = tokenizer.decode(prompts[0]["prompt_ids"])
-        assert data.SYSTEM_PROMPT in text and "What is 0+1?" in text and text.endswith("<|im_start|>assistant\n")
+        assert SYSTEM_PROMPT in text and "What is 0+1?" in text and text.endswith("<|im_start|>assistant\n")
     with pytest.raises(SystemExit, match="no such file"):
         data.read_rows(str(tmp_path / "missing.jsonl"), "train")
     (tmp_path / "wrong.jsonl").write_text(json.dumps({"prompt": "x", "answer": "#### 1"}) + "\n")
@@ -138,8 +139,8 @@ def test_chat_messages_build_the_prompt(tmp_path, tokenizer, capsys):
     assert [r["prompt"] for r in records] == ["Add 2 and 3.", "Add 1 and 1."]
     first, second = (tokenizer.decode(r["prompt_ids"]) for r in records)
     assert first.startswith("<|im_start|>system\nBe brief.<|im_end|>")  # the row's own system message
-    assert data.SYSTEM_PROMPT not in first
-    assert second.startswith(f"<|im_start|>system\n{data.SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\nAdd 1 and 1.")
+    assert SYSTEM_PROMPT not in first
+    assert second.startswith(f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\nAdd 1 and 1.")
     assert "2 empty or malformed 'messages'" in capsys.readouterr().err
     # a prompt field may itself hold the messages (TRL's conversational "prompt"), and the field may be renamed
     path.write_text(json.dumps({"prompt": [{"role": "user", "content": "Hi"}], "answer": "#### 1"}))

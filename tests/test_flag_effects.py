@@ -10,8 +10,9 @@ import sys
 import pytest
 import torch
 
+from config import parse_config, resolve
 from conftest import ROOT
-from grpo import Rollout, parse_config, resolve, train_step
+from grpo import Rollout, train_step
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,7 @@ def dapo_length_reward(length, max_len, cache):
 class NoLearner:
     """train_step's learner where only the advantages it sets are looked at."""
 
-    def forward_backward(self, micro_batches, loss_fn, temperature):
+    def forward_backward(self, micro_batches, loss_fn, temperature, stop=None):
         return {}, {}, {}
 
     def clip_grad_and_step(self, max_grad_norm):

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from hybrid_models import build_tiny_qwen3_5_composite, build_tiny_qwen3_next
 
-from comm import checkpoint_files, is_hybrid, text_to_checkpoint, weight_plan
 from conftest import FAST, free_port, rows, torchrun
+from models import checkpoint_files, is_hybrid, text_to_checkpoint, weight_plan
 
 TOL = 1e-2  # mean |sampler - learner| log-prob in bf16; a missed or wrong sync gives 1e-1 and more
 

@@ -70,7 +70,7 @@ def rollouts(vocab, sequences=8, seq_len=40, seed=0):
 
 
 def step_config(group_size, max_tokens, beta=0.1):
-    from grpo import Config
+    from config import Config
 
     return Config(
         learners=int(os.environ.get("WORLD_SIZE", 1)),
@@ -240,7 +240,7 @@ def test_chunked_matches_dense_under_fsdp(tmp_path):
 
 
 def test_default_micro_batch_holds_one_whole_sequence():
-    from grpo import parse_config, resolve
+    from config import parse_config, resolve
 
     seed = resolve(
         parse_config(["--model", "tiny", "--max-new-tokens", "4096", "--out-dir", "/nonexistent/run"]),

@@ -75,7 +75,9 @@ def test_the_slurm_script_starts_one_job_on_two_nodes(tiny_model, tmp_path):
             "NODE_LOGS": str(node_logs),
         }
     assert f"rendezvous 127.0.0.1:{port}" in result.stdout
-    assert logs[0].startswith("grpo: tiny on synthetic, 2 steps; 1 learner + 3 samplers on 2 nodes x CPU")
+    assert logs[0].startswith(
+        "grpo: tiny on synthetic, 2 steps; 1 learner + 3 samplers on 2 nodes x CPU (no NVIDIA GPU found)"
+    )
     assert (out / "logs" / "torchrun_node0.log").exists() and (out / "logs" / "torchrun_node1.log").exists()
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1]

@@ -7,8 +7,8 @@ import subprocess
 import pytest
 
 from comm import default_layout, placement, visible_gpus
+from config import parse_config, resolve
 from conftest import ROOT
-from grpo import parse_config, resolve
 
 
 def layout(nnodes, nproc, learners, gpus):

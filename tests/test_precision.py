@@ -8,16 +8,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from comm import bucket_plan, cpu_has_bf16, free_port, plan_bytes, wire_dtype
-from grpo import precision
+from comm import bucket_plan, free_port, plan_bytes, wire_dtype
+from config import cpu_has_bf16, precision
 
 
 @pytest.mark.parametrize(
     "flag, has_gpu, cpu_bf16, expected",
     [
-        ("auto", True, False, "bfloat16"),  # CUDA GPUs compute in bf16
-        ("auto", False, True, "bfloat16"),  # CPUs with AVX512-BF16 or AMX
-        ("auto", False, False, "float32"),  # other CPUs: bf16 would be emulated, slower
+        (None, True, False, "bfloat16"),  # CUDA GPUs compute in bf16
+        (None, False, True, "bfloat16"),  # CPUs with AVX512-BF16 or AMX
+        (None, False, False, "float32"),  # other CPUs: bf16 would be emulated, slower
         ("float32", True, True, "float32"),  # an explicit choice wins everywhere
         ("bfloat16", False, False, "bfloat16"),
     ],

@@ -77,8 +77,8 @@ def test_prompt_ids_are_the_templates_rendering_and_the_end_of_turn_token_is_tra
     end-of-turn token in its ids and in the loss mask."""
     from transformers import AutoTokenizer
 
-    from data import SYSTEM_PROMPT
     from grpo import Rollout
+    from gsm8k import SYSTEM_PROMPT
     from learner import Learner
 
     out, _ = float32_run

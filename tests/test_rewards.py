@@ -8,15 +8,8 @@ import time
 
 import pytest
 
-from rewards import (
-    check_failures,
-    final_answer,
-    gsm8k_accuracy,
-    gsm8k_format,
-    parse_gsm8k_answer,
-    parse_reward_spec,
-    score_batch,
-)
+from gsm8k import final_answer, gsm8k_accuracy, gsm8k_format, parse_gsm8k_answer
+from rewards import check_failures, parse_reward_spec, score_batch
 
 
 def gsm8k(gold):

@@ -63,7 +63,8 @@ import os, sys
 from datetime import timedelta
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[3])
-from comm import bucket_plan, send_weights, weight_plan
+from comm import bucket_plan, send_weights
+from models import weight_plan
 from test_sampler import perturbed
 model = perturbed(sys.argv[1])
 store = dist.TCPStore("127.0.0.1", int(sys.argv[2]), is_master=False, timeout=timedelta(seconds=120))
@@ -93,7 +94,8 @@ def sync_and_compare(engine, model_path):
     """Perturb the weights, broadcast them in buckets over a real gloo group from another
     process, load them into the running engine, and return the largest gap between the
     engine's log-probs of its own samples and transformers' on the perturbed weights."""
-    from comm import bucket_plan, weight_plan
+    from comm import bucket_plan
+    from models import weight_plan
 
     model = perturbed(model_path)
     batch = prompts(engine)

@@ -4,13 +4,13 @@ shape README's "Adding an objective" shows."""
 import torch
 
 
-def reinforce(logp, sampler_logp, advantages, mask, cfg):
+def reinforce(logp, sampler_logp, advantages, mask):
     """Plain REINFORCE with group advantages: -A log pi per token, no ratio."""
     per_token = -advantages[:, None] * logp  # [B, T]
     return per_token, {"ratio_mean": (torch.exp(logp - sampler_logp).detach() * mask).sum()}
 
 
-def slow_clip(logp, sampler_logp, advantages, mask, cfg):
+def slow_clip(logp, sampler_logp, advantages, mask, *, epsilon=0.2, epsilon_high=0.2, importance="token"):
     """The clipped objective, 2 s slower per micro-batch once the file GRPO_TEST_SLOW_LEARNER
     names + '.go' exists (it touches the file itself then): a learner step made minutes long."""
     import os
@@ -22,4 +22,4 @@ def slow_clip(logp, sampler_logp, advantages, mask, cfg):
     if marker and os.path.exists(marker + ".go"):
         open(marker, "a").close()
         time.sleep(2)
-    return clip(logp, sampler_logp, advantages, mask, cfg)
+    return clip(logp, sampler_logp, advantages, mask, epsilon=epsilon, epsilon_high=epsilon_high, importance=importance)

@@ -1,0 +1,357 @@
+"""The run's configuration: one field per flag, each with its help as its comment; what
+None (the only "auto") becomes for each model; and the rules a config must satisfy, each
+with its one-line refusal, checked before any model loads (launch.sh runs them once,
+before torchrun starts a rank)."""
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import inspect
+import io
+import os
+import re
+import sys
+import types
+from dataclasses import dataclass
+
+import checkpoint
+from comm import placement
+from data import dataset_error
+from models import is_hybrid
+from rewards import parse_reward_spec
+
+HUB_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"  # the default with a GPU
+
+
+@dataclass
+class Config:
+    # ---- model and data
+    model: str | None = None  # 'tiny', a hub name or a local HF folder; None: tiny without a GPU, else HUB_MODEL
+    dataset: str | None = None  # 'synthetic', 'gsm8k' (the hub) or a .jsonl/.json/.parquet path; None: per model
+    split: str = "train"  # the dataset's split to train on
+    prompt_field: str = "question"  # dataset column with the prompt: the user message's text, or chat messages
+    messages_field: str = "messages"  # column of chat messages [{role, content}]; where a row has it, the prompt
+    rewards: str = "accuracy,format"  # weighted sum: 'accuracy=1,format=0.5,my.module:fn=2'; fn(completion, record)
+    # ---- the step
+    learners: int = 1  # ranks 0..learners-1 train; the other ranks sample
+    steps: int | None = None  # optimizer steps; None: per model
+    prompts_per_step: int = 64  # prompts per step, over all samplers
+    group_size: int | None = None  # completions per prompt (G); None: per model
+    max_new_tokens: int | None = None  # tokens per completion at most; None: per model
+    max_prompt_len: int = 512  # longer prompts are dropped (and counted)
+    temperature: float = 1.0  # sampling temperature; the log-probs are those of the tempered policy
+    max_staleness: int = 1  # 1: sample step k+1 while step k trains (the ratio corrects the lag); 0: on-policy
+    # ---- the objective (grpo.py)
+    objective: str = "clip"  # per-token objective: clip | cispo | sapo | my.module:fn (grpo.OBJECTIVES)
+    objective_args: str = ""  # the objective's own parameters: 'name=value,...' (its keyword defaults otherwise)
+    loss_type: str = "grpo"  # how per-token losses aggregate: grpo | bnpo | dr_grpo | dapo (grpo.aggregate)
+    epsilon: float = 0.2  # the ratio's clip range below 1 (clip), and above 1 unless --epsilon-high
+    epsilon_high: float | None = None  # the clip range above 1 (DAPO's clip-higher; CISPO's cap - 1); None: epsilon
+    importance: str = "token"  # token | sequence (GSPO): the ratio every objective sees
+    scale: str = "group"  # advantage scaling: group | batch | none
+    beta: float | None = None  # k3 KL to the initial policy, as DeepSeekMath (a frozen, sharded copy); None: per model
+    tis_cap: float = 0.0  # > 0: truncated importance sampling of the sampler/learner mismatch at this cap
+    drop_uniform_groups: bool | None = None  # DAPO: drop groups of all-equal rewards; None: per model
+    overlong: str = "none"  # completions cut at --max-new-tokens: none | mask (out of the loss) | penalty (DAPO)
+    overlong_buffer: int | None = None  # penalty ramp length in tokens; None: max-new-tokens // 4
+    # ---- the optimizer
+    lr: float | None = None  # AdamW's learning rate; None: per model
+    warmup_steps: int = 10  # linear learning-rate warm-up, then constant
+    weight_decay: float = 0.0  # AdamW's weight decay
+    max_grad_norm: float = 1.0  # the gradient norm is clipped to this
+    # ---- the learner's memory and precision
+    micro_batch_size: int = 8  # sequences per forward/backward, when not packing by tokens
+    max_tokens_per_microbatch: int | None = None  # padded tokens per micro-batch; None: max(4096, one sequence)
+    logprob_chunk: int = 1024  # positions per output-projection chunk in the log-probs; 0: the whole [T, V] at once
+    gradient_checkpointing: bool = False  # recompute blocks in the backward: 1/15 the activations, 1/3 more compute
+    dtype: str | None = None  # compute dtype: bfloat16 | float32; None: bf16 where the hardware has it (precision)
+    lora_rank: int = 0  # > 0: train LoRA adapters of this rank on --lora-targets (the base stays frozen)
+    lora_alpha: float | None = None  # adapter scale alpha / rank; None: 2 x rank
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # linear layers given adapters
+    # ---- the samplers and the sync
+    sampler_gpu_memory: float | None = None  # vLLM's GPU fraction; None: 0.8 of a GPU alone, 0.3 beside a learner
+    sampler_kv_cache_gb: float = 1.0  # vLLM's KV cache size (CPU only)
+    sync_bucket_mb: float = 64.0  # weight broadcast bucket size
+    timeout_minutes: float = 30.0  # every process group's timeout: how long a rank waits for a stuck peer
+    # ---- rewards
+    reward_timeout: float = 10.0  # seconds per user-reward call; a slower call scores 0 and is counted
+    reward_workers: int = 1  # processes running user rewards (built-ins run in the sampler)
+    max_reward_errors: float = 0.5  # stop when more than this fraction of a step's completions had a reward fail
+    # ---- eval, logs and checkpoints
+    eval_every: int = 50  # greedy held-out eval every K steps, and at the start and end; 0: never
+    eval_dataset: str = ""  # held-out set (its 'test' split); empty: --dataset's
+    eval_size: int = 256  # held-out prompts per eval; 0: the whole test split
+    eval_only: bool = False  # evaluate --model and exit
+    samples_every: int = 10  # write a few completions to samples.jsonl every K steps; 0: never
+    seed: int = 0  # data order, sampling and initialisation
+    out_dir: str = "runs/default"  # where the run writes
+    save_every: int = 0  # checkpoint every N steps (and always on preemption); 0: only on preemption
+    keep_last: int = 0  # keep the newest K checkpoints; 0: keep all
+    resume: str = ""  # '--resume' continues from out_dir's latest checkpoint, '--resume PATH' from that one
+    overwrite: bool = False  # replace a run already in out_dir
+    max_skips: int = 3  # abort after this many consecutive steps with a non-finite grad norm
+    report_to: str = ""  # 'wandb' or 'tensorboard': also send every metrics row there
+
+
+# What None becomes, per model: (the embedded tiny model, any other). The tiny model's
+# reasons are in the README ("The embedded tiny model"): it learns arithmetic from chance
+# at a high rate with few samples per prompt, needs a stronger pull to its reference to
+# keep from collapsing in bf16, and at chance most of its groups carry no signal.
+MODEL_DEFAULTS = {
+    "dataset": ("synthetic", "gsm8k"),
+    "steps": (300, 250),
+    "group_size": (4, 8),
+    "max_new_tokens": (24, 512),
+    "lr": (1e-3, 1e-6),
+    "beta": (0.1, 0.04),
+    "drop_uniform_groups": (True, False),
+}
+DTYPES = ("bfloat16", "float32")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALES = ("group", "batch", "none")
+
+
+def field_help():
+    """{field: its comment}: each field's comment in Config's source is its --help."""
+    lines = inspect.getsource(Config).splitlines()
+    helps = dict(m.groups() for m in (re.match(r"\s+(\w+): [^#]*#\s*(.*)", line) for line in lines) if m)
+    return {f.name: helps.get(f.name, "") for f in dataclasses.fields(Config)}
+
+
+def parse_config(argv):
+    parser = argparse.ArgumentParser(
+        prog="grpo.py", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    helps = field_help()
+    for f in dataclasses.fields(Config):
+        flag, kind = "--" + f.name.replace("_", "-"), _value_type(f.type)
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=helps[f.name])
+        elif f.name == "resume":
+            parser.add_argument(flag, nargs="?", const="latest", default=f.default, help=helps[f.name])
+        else:
+            parser.add_argument(flag, type=kind, default=f.default, help=helps[f.name])
+    return Config(**vars(parser.parse_args(argv)))
+
+
+def _value_type(annotation):
+    """int for `int` and `int | None`, and so on."""
+    if isinstance(annotation, types.UnionType):
+        return next(t for t in annotation.__args__ if t is not type(None))
+    return annotation
+
+
+def parse_flags(argv):
+    """parse_config, with argparse's usage and error (some fifty lines) cut to its one
+    line of error, in fail()'s form; --help is unchanged."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return parse_config(argv)
+    except SystemExit as e:
+        if e.code:
+            fail(err.getvalue().strip().splitlines()[-1].partition("error: ")[2])
+        raise
+
+
+def fail(message, every_rank=False):
+    """One clear line and a non-zero exit, before anything heavy loads. Under torchrun
+    every rank checks the same flags, so only local rank 0 says why (`every_rank`: a
+    check whose answer differs between ranks)."""
+    if every_rank or os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"grpo.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def cpu_has_bf16(cpuinfo="/proc/cpuinfo"):
+    """Whether this CPU multiplies in bf16 natively (AVX512-BF16 or AMX), from its flags."""
+    try:
+        with open(cpuinfo) as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def precision(dtype, has_gpu, cpu_bf16):
+    """The one compute dtype of a run, for both devices: None is bfloat16 where the
+    hardware multiplies in bf16 natively (CUDA GPUs; CPUs with AVX512-BF16 or AMX), else
+    float32. From it: FSDP2 keeps float32 master weights and AdamW state, computes in it
+    and reduces gradients in float32; vLLM runs in it; each parameter travels in the
+    dtype the engine keeps it in (comm.wire_dtype); log-probs and the loss are float32
+    always (learner.token_logprobs)."""
+    if dtype is None:
+        return "bfloat16" if has_gpu or cpu_bf16 else "float32"
+    return dtype
+
+
+def resolve(cfg, world_size, has_gpu, cpu_bf16=False):
+    """Fill every None and check every rule against the world, so that a config that
+    cannot work stops here with the flag's name, before any model loads."""
+    from grpo import bind_objective
+
+    cfg.model = cfg.model or (HUB_MODEL if has_gpu else "tiny")
+    tiny = cfg.model == "tiny"
+    for name, (for_tiny, for_others) in MODEL_DEFAULTS.items():
+        if getattr(cfg, name) is None:
+            setattr(cfg, name, for_tiny if tiny else for_others)
+    if cfg.dtype is not None and cfg.dtype not in DTYPES:
+        fail(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
+    cfg.dtype = precision(cfg.dtype, has_gpu, cpu_bf16)
+    cfg.epsilon_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+    cfg.overlong_buffer = cfg.max_new_tokens // 4 if cfg.overlong_buffer is None else cfg.overlong_buffer
+    if cfg.max_tokens_per_microbatch is None:  # room for one whole sequence at least
+        cfg.max_tokens_per_microbatch = max(4096, cfg.max_prompt_len + cfg.max_new_tokens)
+    cfg.lora_alpha = 2.0 * cfg.lora_rank if cfg.lora_alpha is None else cfg.lora_alpha
+    if cfg.eval_only:
+        cfg.steps = 0
+    for ok, message in rules(cfg, world_size, has_gpu):
+        if not ok:
+            fail(message)
+    for flag, check in [
+        ("objective", lambda: bind_objective(cfg)),
+        ("rewards", lambda: parse_reward_spec(cfg.rewards)),
+    ]:
+        try:
+            check()
+        except ValueError as e:
+            fail(f"--{flag}: {e}")
+    if cfg.resume:
+        try:
+            cfg.resume = checkpoint.find_checkpoint(cfg.resume, cfg.out_dir)
+        except ValueError as e:
+            fail(f"--resume: {e}")
+    return cfg
+
+
+def rules(cfg, world_size, has_gpu):
+    """(holds, the one line that says why not), rule by rule; resolve stops at the first
+    that fails, so a rule may count on those before it."""
+    samplers, seq = world_size - cfg.learners, cfg.max_prompt_len + cfg.max_new_tokens
+    yield cfg.learners >= 1, f"--learners must be at least 1, got {cfg.learners}"
+    yield (
+        samplers >= 1,
+        f"--learners {cfg.learners} leaves no sampler rank in a world of {world_size}; use --learners {world_size - 1} or more ranks",
+    )
+    yield cfg.group_size >= 2, f"--group-size must be at least 2 for group advantages, got {cfg.group_size}"
+    yield (
+        cfg.prompts_per_step >= 1 and cfg.prompts_per_step % samplers == 0,
+        f"--prompts-per-step {cfg.prompts_per_step} must be a positive multiple of the {samplers} sampler ranks",
+    )
+    yield (
+        cfg.prompts_per_step * cfg.group_size % cfg.learners == 0,
+        f"--prompts-per-step x --group-size ({cfg.prompts_per_step * cfg.group_size}) must divide across the {cfg.learners} learners",
+    )
+    yield (
+        cfg.max_staleness in (0, 1),
+        f"--max-staleness must be 0 or 1, got {cfg.max_staleness}: rollouts travel over blocking collectives, so the samplers run at most one step ahead",
+    )
+    yield (
+        cfg.max_tokens_per_microbatch == 0 or cfg.max_tokens_per_microbatch >= seq,
+        f"--max-tokens-per-microbatch {cfg.max_tokens_per_microbatch} cannot hold one sequence of --max-prompt-len + --max-new-tokens ({seq}) tokens",
+    )
+    for name, low in [
+        ("steps", 0),
+        ("micro_batch_size", 1),
+        ("max_tokens_per_microbatch", 0),
+        ("logprob_chunk", 0),
+        ("max_new_tokens", 1),
+        ("max_prompt_len", 1),
+        ("lora_rank", 0),
+        ("reward_workers", 1),
+    ]:
+        yield getattr(cfg, name) >= low, f"--{name.replace('_', '-')} must be at least {low}, got {getattr(cfg, name)}"
+    yield cfg.temperature > 0, f"--temperature must be positive for sampling, got {cfg.temperature}"
+    yield (
+        cfg.lr >= 0 and cfg.epsilon > 0 and cfg.epsilon_high >= cfg.epsilon,
+        "--lr must be >= 0, --epsilon > 0 and --epsilon-high >= --epsilon",
+    )
+    yield cfg.beta >= 0 and cfg.tis_cap >= 0, "--beta and --tis-cap must be >= 0"
+    yield (
+        not cfg.lora_rank or any(cfg.lora_targets.split(",")),
+        "--lora-targets must name at least one linear layer, e.g. q_proj,v_proj",
+    )
+    for name, allowed in [
+        ("loss_type", LOSS_TYPES),
+        ("scale", SCALES),
+        ("importance", ("token", "sequence")),
+        ("overlong", ("none", "mask", "penalty")),
+    ]:
+        value = getattr(cfg, name)
+        yield value in allowed, f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, got {value!r}"
+    for name in ("dataset", "eval_dataset"):
+        error = getattr(cfg, name) and dataset_error(getattr(cfg, name))
+        yield not error, f"--{name.replace('_', '-')}: {error}"
+    yield (
+        cfg.reward_timeout > 0,
+        f"--reward-timeout must be > 0 seconds (a hung reward must not stall a sampler), got {cfg.reward_timeout}",
+    )
+    yield (
+        0 <= cfg.max_reward_errors <= 1,
+        f"--max-reward-errors is a fraction in [0, 1], got {cfg.max_reward_errors}",
+    )
+    yield bool(cfg.prompt_field), "--prompt-field must name a dataset column"
+    error = cfg.model != "tiny" and model_folder_error(cfg.model)
+    yield not error, f"--model {cfg.model}: {error}"
+    yield (
+        has_gpu or cfg.model == "tiny" or cfg.dtype != "float32" or not is_hybrid(cfg.model),
+        "--dtype float32: vLLM's CPU kernel for this model's linear-attention layers runs only in bf16 ('CPU GDN attention requires BF16'); use --dtype bfloat16",
+    )
+    yield (
+        cfg.report_to in ("", "wandb", "tensorboard"),
+        f"--report-to must be wandb or tensorboard, got {cfg.report_to!r}",
+    )
+    yield (
+        not cfg.report_to or importlib.util.find_spec(cfg.report_to) is not None,
+        f"--report-to {cfg.report_to}: the {cfg.report_to} package is not installed (pip install {cfg.report_to})",
+    )
+    yield (
+        cfg.resume or cfg.overwrite or cfg.eval_only or not os.path.exists(os.path.join(cfg.out_dir, "metrics.jsonl")),
+        f"--out-dir {cfg.out_dir} already holds a run: pass --resume to continue it or --overwrite to replace it",
+    )
+
+
+def check_placement(cfg, world_size, local_world_size, node, gpus):
+    """Every local rank's placement on this node, as launch.sh's check runs it."""
+    for local in range(local_world_size):
+        try:
+            placement(
+                node * local_world_size + local,
+                local,
+                local_world_size,
+                world_size,
+                cfg.learners,
+                gpus,
+                cfg.sampler_gpu_memory,
+            )
+        except ValueError as e:
+            fail(str(e))
+
+
+def model_folder_error(model):
+    """Why `model` cannot be a model folder, where it names one: anything but a hub name
+    of the form 'namespace/name' must be a folder holding a config.json."""
+    hub_name = model.count("/") == 1 and not model.startswith((".", "~")) and not os.path.exists(model)
+    if not hub_name and not os.path.isfile(os.path.join(model, "config.json")):
+        what = "a folder without a config.json" if os.path.isdir(model) else "no such folder"
+        return f"{what} (a model is 'tiny', a local Hugging Face folder or a hub name 'namespace/name')"
+    return None
+
+
+def hub_model_error(model):
+    """Why a hub name cannot be loaded (no network and not in the local cache, no such
+    repository), in one line, or None. launch.sh's check asks once, before any rank starts."""
+    import huggingface_hub  # light next to transformers; only launch.sh's check needs it
+
+    try:
+        huggingface_hub.hf_hub_download(model, "config.json", local_files_only=True)
+        return None
+    except Exception:  # not in the cache: the hub must know it
+        pass
+    try:
+        huggingface_hub.model_info(model, timeout=10)
+        return None
+    except Exception as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return f"not in the local Hugging Face cache, and the hub cannot give it ({type(e).__name__}: {reason})"
