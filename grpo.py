@@ -140,13 +140,16 @@ def load_objective(name):
         raise ValueError(f"cannot load objective {name!r}: {e}")
 
 
+SHARED_PARAMETERS = ("epsilon", "epsilon_high", "importance")  # flags that several objectives read
+
+
 def bind_objective(cfg):
     """The run's objective with its parameters bound, once per run: each keyword parameter
     takes --objective-args' value, else the flag of the same name (epsilon, epsilon_high,
     importance), else its own default. Raises ValueError naming a bad parameter."""
     fn = load_objective(cfg.objective)
     params = {n: p for n, p in inspect.signature(fn).parameters.items() if p.kind == p.KEYWORD_ONLY}
-    bound = {n: getattr(cfg, n) for n in params if hasattr(cfg, n)}
+    bound = {n: getattr(cfg, n) for n in params if n in SHARED_PARAMETERS}
     for item in filter(None, (a.strip() for a in cfg.objective_args.split(","))):
         name, _, value = item.partition("=")
         if name not in params:

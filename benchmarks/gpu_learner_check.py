@@ -173,14 +173,14 @@ def main():
     # attention, tied embeddings, a vision tower in the checkpoint), bf16, trained text
     # model saved back as the composite. A high learning rate and a reward that varies
     # in every group move the weights at each step, so a sync that fails shows.
-    from tests.hybrid_models import build_tiny_qwen3_5_composite
+    from tests.plugins.hybrid_models import build_tiny_qwen3_5_composite
 
     composite = build_tiny_qwen3_5_composite(f"{out}/qwen3_5_model", tie_word_embeddings=True)
     hybrid = run(
         f"{out}/qwen3_5",
         *["--model", composite, "--dataset", "synthetic", "--dtype", "bfloat16", "--steps", "3", "--lr", "1e-2"],
         *["--warmup-steps", "0", "--max-staleness", "0", "--eval-every", "0", "--beta", "0", "--max-new-tokens", "16"],
-        *["--rewards", "tests.hybrid_models:parity"],
+        *["--rewards", "tests.plugins.hybrid_models:parity"],
     )
     worst = max((r["mismatch_mean"] for r in hybrid), default=float("inf"))
     saved = f"{out}/qwen3_5/final/config.json"

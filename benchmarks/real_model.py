@@ -1,5 +1,5 @@
 """A real pretrained model learning under this loop on CPU: SmolLM2-135M-Instruct
-(tests/smollm2.py) on a task it can score on from its start, in bf16 and in float32.
+(tests/plugins/smollm2.py) on a task it can score on from its start, in bf16 and in float32.
 
     python benchmarks/real_model.py [--steps 40] [extra grpo.py flags]
 
@@ -51,7 +51,7 @@ def write_task(path, n, seed):
 
 
 def main():
-    from tests.smollm2 import missing_requirements, smollm2_model
+    from tests.plugins.smollm2 import missing_requirements, smollm2_model
 
     args = sys.argv[1:]
     steps = "40"

@@ -7,6 +7,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests", "plugins"))  # what the tests plug in: rewards, objectives, workers
 from comm import free_port  # noqa: E402  (tests import it from here)
 
 # GSM8K's test split (MIT, OpenAI; tests/gsm8k/LICENSE), kept in the clone so that every
@@ -28,6 +29,18 @@ def rows(out_dir):
         return []
     with open(path) as f:
         return [json.loads(line) for line in f]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "system: runs a model (torchrun, vLLM, FSDP); the rest is the fast tier")
+
+
+def pytest_collection_modifyitems(items):
+    """A test that needs a model (the tiny or the real one, directly or through a fixture)
+    is a system test; the others are the fast tier: `bash launch.sh test -m "not system"`."""
+    for item in items:
+        if {"tiny_model", "smollm2"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.system)
 
 
 @pytest.fixture
@@ -92,7 +105,7 @@ def tiny_model(grpo_cache):
 @pytest.fixture(scope="session")
 def smollm2(grpo_cache):
     """A real pretrained model, SmolLM2-135M-Instruct, built from its registry package
-    once per test session (tests/smollm2.py); skips, saying why, where it cannot be had."""
+    once per test session (tests/plugins/smollm2.py); skips, saying why, where it cannot be had."""
     from smollm2 import build_smollm2, missing_requirements, smollm2_dir
 
     if reason := missing_requirements():

@@ -327,6 +327,37 @@ def test_a_user_objective_loads_by_module_path():
     assert loss.item() == pytest.approx(want, rel=1e-10) and "ratio_mean" in m
 
 
+def test_an_objective_declares_its_own_parameters():
+    """An objective's keyword defaults are its parameters: --objective-args sets them, the
+    flags of the same name (epsilon, ...) fill the shared ones, and a bad one is refused
+    when the config resolves, before any model loads."""
+    from config import parse_config, resolve
+    from grpo import bind_objective
+
+    logp, old, _, adv, mask = random_batch(2)
+    base, _ = policy_loss(logp, old, adv, mask, loss_config(objective="user_objective:scaled_reinforce"))
+    twice, _ = policy_loss(
+        logp, old, adv, mask, loss_config(objective="user_objective:scaled_reinforce", objective_args="scale=2")
+    )
+    assert twice.item() == pytest.approx(2 * base.item(), rel=1e-12)
+    bound = bind_objective(loss_config(objective="clip", epsilon=0.1, epsilon_high=0.3))
+    assert bound.keywords == {"epsilon": 0.1, "epsilon_high": 0.3, "importance": "token"}
+    bound = bind_objective(loss_config(objective="sapo", objective_args="tau_neg=2"))
+    assert bound.keywords["tau_neg"] == 2.0 and "tau_pos" not in bound.keywords  # its own default
+    for args, why in [
+        ("--objective-args scale=-1", "scale must be > 0"),
+        ("--objective-args scale=abc", "is not a float"),
+        ("--objective-args temperature=2", "has no parameter 'temperature'"),
+    ]:
+        argv = ["--objective", "user_objective:scaled_reinforce", *args.split(), "--out-dir", "/nonexistent/run"]
+        with pytest.raises(SystemExit) as e:
+            resolve(parse_config(argv), world_size=3, has_gpu=False)
+        assert e.value.code == 2
+    for args in ("tau_pos=0", "tau_pos=x"):
+        with pytest.raises(ValueError):
+            bind_objective(loss_config(objective="sapo", objective_args=args))
+
+
 def test_overlong_penalty():
     assert overlong_penalty(10, 32, 8) == 0.0
     assert overlong_penalty(24, 32, 8) == 0.0

@@ -24,7 +24,7 @@ def weights(path):
 
 def start(out, *args, exits=None):
     """torchrun in its own session. With `exits` (a folder), each rank runs under
-    tests/exit_status.py, which writes its exit status to exits/rank_<RANK>."""
+    tests/plugins/exit_status.py, which writes its exit status to exits/rank_<RANK>."""
     cmd = torchrun_cmd(3, *FAST, "--out-dir", out, *args)
     if exits is not None:
         script = cmd.index(os.path.join(ROOT, "grpo.py"))
@@ -171,11 +171,11 @@ def test_a_signal_cuts_a_long_step_short_within_20_s(straight, tmp_path, long_pa
     marker = tmp_path / "slow"
     if long_part == "sampler":
         os.environ["GRPO_TEST_SLOW_STEP"] = f"2:{marker}"
-        flags = ["--steps", 4, "--rewards", "accuracy,format,tests.task_rewards:slow_at_step=0"]
+        flags = ["--steps", 4, "--rewards", "accuracy,format,tests.plugins.task_rewards:slow_at_step=0"]
         flags += ["--reward-timeout", 900]
     else:
         os.environ["GRPO_TEST_SLOW_LEARNER"] = str(marker)
-        flags = ["--steps", 1000, "--objective", "tests.user_objective:slow_clip", "--max-staleness", 1]
+        flags = ["--steps", 1000, "--objective", "tests.plugins.user_objective:slow_clip", "--max-staleness", 1]
         flags += ["--prompts-per-step", 32, "--micro-batch-size", 1, "--max-tokens-per-microbatch", 0]
     try:
         proc = start(out, *flags, exits=exits)
@@ -260,7 +260,16 @@ def test_checkpoint_loads_in_transformers_and_vllm_alike(straight, tiny_model):
 def test_non_finite_steps_are_skipped_then_abort(tiny_model, tmp_path):
     out = tmp_path / "run"
     result = torchrun(
-        3, *FAST, "--steps", 10, "--rewards", "accuracy,tests.nan_reward:nan", "--max-skips", 2, "--out-dir", out
+        3,
+        *FAST,
+        "--steps",
+        10,
+        "--rewards",
+        "accuracy,tests.plugins.nan_reward:nan",
+        "--max-skips",
+        2,
+        "--out-dir",
+        out,
     )
     assert result.returncode != 0
     assert "2 consecutive steps with a non-finite loss or grad norm" in result.stdout

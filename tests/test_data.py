@@ -101,7 +101,7 @@ def test_any_dataset_its_own_columns_and_rows_checked_for_its_rewards(tmp_path, 
         f.write(json.dumps({"id": 301, "problem": " ", "entry_point": "f", "tests": []}) + "\n")
         f.write(json.dumps({"id": 302, "task": "Write f.", "entry_point": "f", "tests": []}) + "\n")
         f.write("[1, 2]\n{broken json\n")
-    fns = parse_reward_spec("tests.task_rewards:passes_tests")
+    fns = parse_reward_spec("tests.plugins.task_rewards:passes_tests")
     records = data.load_prompts(path, "train", tokenizer, 512, fns, prompt_field="problem")
     assert [{k: r[k] for k in rows[0]} for r in records] == rows  # every column of every good row
     assert all(r["prompt"] == r["problem"] for r in records)
@@ -110,7 +110,7 @@ def test_any_dataset_its_own_columns_and_rows_checked_for_its_rewards(tmp_path, 
     out = capsys.readouterr().err
     assert "skipped 5 bad rows" in out
     causes = [
-        "1 missing 'tests' field (reward tests.task_rewards:passes_tests)",
+        "1 missing 'tests' field (reward tests.plugins.task_rewards:passes_tests)",
         "1 empty or malformed 'problem'",
         "1 missing 'problem' field",
         "2 not a JSON object",

@@ -1,5 +1,5 @@
 """Hybrid models (gated delta net layers beside attention) and composite checkpoints,
-on tiny random-init models built here (tests/hybrid_models.py):
+on tiny random-init models built here (tests/plugins/hybrid_models.py):
 
 - a Qwen3-Next (linear + full attention, 4 experts, tied embeddings) through the real
   engine and the real loop in bf16: vLLM's CPU engine with prefix caching off, its
@@ -170,6 +170,7 @@ def perturbed(path):
     return model
 
 
+@pytest.mark.system  # starts its own processes or model: not in the fast tier
 @pytest.mark.parametrize("which", ["qwen3_next", "composite"])
 def test_the_engine_loads_the_learners_weights_in_place(which, request):
     """bf16 on CPU (the gated delta net kernel takes nothing else), prefix caching off.
@@ -208,7 +209,7 @@ def test_the_engine_loads_the_learners_weights_in_place(which, request):
 # A reward that varies within every group of a random model, a high learning rate and no
 # warm-up: the weights move a lot at every step, so a sync that fails shows in the mismatch.
 RUN = [*FAST, "--learners", 2, "--dataset", "synthetic", "--dtype", "bfloat16", "--lr", 1e-2, "--warmup-steps", 0]
-RUN += ["--rewards", "tests.hybrid_models:parity"]
+RUN += ["--rewards", "tests.plugins.hybrid_models:parity"]
 
 
 def check_run(out, steps):
@@ -224,6 +225,7 @@ def check_run(out, steps):
     return metrics
 
 
+@pytest.mark.system  # starts its own processes or model: not in the fast tier
 def test_a_hybrid_model_trains_end_to_end(qwen3_next, tmp_path):
     out = tmp_path / "run"
     result = torchrun(3, "--model", qwen3_next, "--steps", 3, *RUN, "--out-dir", out)
@@ -235,6 +237,7 @@ def test_a_hybrid_model_trains_end_to_end(qwen3_next, tmp_path):
     assert max((before[k].float() - after[k].float()).abs().max().item() for k in before) > 1e-3
 
 
+@pytest.mark.system  # starts its own processes or model: not in the fast tier
 def test_a_composite_checkpoint_trains_and_saves_as_itself(composite, tmp_path):
     out = tmp_path / "run"
     result = torchrun(3, "--model", composite, "--steps", 2, *RUN, "--out-dir", out)

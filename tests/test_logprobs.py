@@ -191,6 +191,7 @@ def fsdp_worker(model_dir, out_dir):
     dist.destroy_process_group()
 
 
+@pytest.mark.system  # starts its own processes or model: not in the fast tier
 def test_chunked_matches_dense_under_fsdp(tmp_path):
     """Two FSDP2 learners: the updated weights after one step agree to 1e-6 between the
     dense and chunked paths, with an untied and a tied head (the head's gradient then
@@ -285,6 +286,7 @@ def checkpointing_worker(model_dir, out_file):
     dist.destroy_process_group()
 
 
+@pytest.mark.system  # starts its own processes or model: not in the fast tier
 def test_gradient_checkpointing_recomputes_each_block_and_changes_no_gradient(tmp_path):
     """--gradient-checkpointing: each block runs again in the backward (transformers
     recomputes a block only while it is in training mode, and from_pretrained loads in
@@ -344,6 +346,7 @@ def estimate_worker(model_dir, out_file, chunk):
     dist.destroy_process_group()
 
 
+@pytest.mark.system  # starts its own processes or model: not in the fast tier
 @pytest.mark.parametrize("chunk", [1024, 0])
 def test_memory_estimate_is_within_30_percent_of_the_measured_peak(tmp_path, chunk):
     """A 32k vocabulary, 256 wide, 4 layers, 2048 positions per micro-batch, with a

@@ -1,4 +1,4 @@
-"""The whole loop on a real pretrained model, SmolLM2-135M-Instruct (tests/smollm2.py): a
+"""The whole loop on a real pretrained model, SmolLM2-135M-Instruct (tests/plugins/smollm2.py): a
 byte-level BPE tokenizer with merges, a ChatML template with its own system prompt and an
 end-of-turn special token, tied embeddings in a Llama, 30 layers. The tiny model checks the
 algorithm; this one checks the machinery where real checkpoints break it."""
@@ -17,7 +17,7 @@ from conftest import GSM8K, rows, torchrun, transformers_vs_vllm
 # and a sync that failed to land would show at step 1.
 RUN = "--learners 1 --steps 2 --prompts-per-step 4 --group-size 2 --max-new-tokens 24 --max-prompt-len 384".split()
 RUN += "--lr 1e-5 --warmup-steps 0 --beta 0 --eval-every 0 --samples-every 1 --max-staleness 0".split()
-RUN += ["--rewards", "accuracy,format,tests.task_rewards:brevity"]
+RUN += ["--rewards", "accuracy,format,tests.plugins.task_rewards:brevity"]
 # Short yes/no questions beside GSM8K's: the model ends them with its end-of-turn token
 # well inside the budget, so the samples hold completions that end with it.
 YES_NO = [{"question": f"Is {a} + {a} = {2 * a}? Reply with one word, yes or no.", "answer": "#### 1"} for a in (2, 3)]

@@ -196,12 +196,12 @@ def test_real_gsm8k_gold_solutions_score_one(gsm8k):
 
 # ---------------------------------------------------------------- user rewards on a task of their own
 
-TASK = "tests.task_rewards"
+TASK = "tests.plugins.task_rewards"
 
 
 @pytest.fixture(scope="module")
 def task_records(tmp_path_factory):
-    """The 300 records of a non-GSM8K task, as the trainer loads them (tests/task_rewards.py)."""
+    """The 300 records of a non-GSM8K task, as the trainer loads them (tests/plugins/task_rewards.py)."""
     from task_rewards import write_task
 
     import tiny
@@ -280,7 +280,7 @@ def test_errors_are_counted_printed_once_and_abort_past_the_fraction(task_record
     with pytest.raises(SystemExit, match="more than --max-reward-errors 0.5"):
         check_failures(counts, 0.5, step=0)
     # NaN is a value, not an error: it reaches the learner, whose non-finite step is skipped (test_checkpoint)
-    totals, parts, counts = score_batch(["x"], records[:1], parse_reward_spec("tests.nan_reward:nan"))
+    totals, parts, counts = score_batch(["x"], records[:1], parse_reward_spec("tests.plugins.nan_reward:nan"))
     assert math.isnan(totals[0]) and counts["reward_errors"] == 0
 
 

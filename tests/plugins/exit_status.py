@@ -2,7 +2,7 @@
 status: torchrun reports none when it is itself signalled, and a rank is not the test's
 child, so the test cannot wait for it.
 
-    torchrun ... tests/exit_status.py DIR grpo.py ARGS...
+    torchrun ... tests/plugins/exit_status.py DIR grpo.py ARGS...
 
 runs `python grpo.py ARGS...` as its child, in its own process group (the session torchrun
 made for the rank, so torchrun's killpg, or a test's, reaches grpo.py as it would without
@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from comm import die_with_parent  # noqa: E402
 
 

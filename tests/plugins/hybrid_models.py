@@ -4,7 +4,7 @@ attention, a few experts) and a composite Qwen3.5 checkpoint (vision tower + hyb
 model, the hub layout of Qwen/Qwen3.5-4B). Both use the tiny character tokenizer.
 
 Also a reward that varies within a group for a random model, so that advantages, and with
-them the weights, really change from step to step (`--rewards tests.hybrid_models:parity`)."""
+them the weights, really change from step to step (`--rewards tests.plugins.hybrid_models:parity`)."""
 
 import os
 import shutil

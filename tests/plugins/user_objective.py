@@ -23,3 +23,11 @@ def slow_clip(logp, sampler_logp, advantages, mask, *, epsilon=0.2, epsilon_high
         open(marker, "a").close()
         time.sleep(2)
     return clip(logp, sampler_logp, advantages, mask, epsilon=epsilon, epsilon_high=epsilon_high, importance=importance)
+
+
+def scaled_reinforce(logp, sampler_logp, advantages, mask, *, scale=1.0):
+    """REINFORCE times a parameter of its own, set with --objective-args scale=2."""
+    return -scale * advantages[:, None] * logp, {}
+
+
+scaled_reinforce.check = lambda scale: None if scale > 0 else "scale must be > 0"
