@@ -95,7 +95,7 @@ class Config:
 
 
 # What None becomes, per model: (the embedded tiny model, any other). The tiny model's
-# reasons are in the README ("The embedded tiny model"): it learns arithmetic from chance
+# reasons are in docs/results.md ("The embedded tiny model"): it learns arithmetic from chance
 # at a high rate with few samples per prompt, needs a stronger pull to its reference to
 # keep from collapsing in bf16, and at chance most of its groups carry no signal.
 MODEL_DEFAULTS = {

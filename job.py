@@ -428,7 +428,7 @@ def main(argv=None):
         console.say(start_line(cfg, world, local_world, gpus))
         if cfg.dtype == "bfloat16" and not gpus and not cpu_bf16:
             console.warn(
-                "--dtype bfloat16 on a CPU without AVX512-BF16 or AMX: bf16 is emulated here, several times slower than float32 (README, 'Precision')"
+                "--dtype bfloat16 on a CPU without AVX512-BF16 or AMX: bf16 is emulated here, several times slower than float32 (README, 'Precision and memory')"
             )
     torch.manual_seed(cfg.seed)
     signal.signal(signal.SIGTERM, checkpoint.on_signal)

@@ -56,7 +56,7 @@ fi
 
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
-# Ranks per node and learners (comm.default_layout, a table in the README): one rank per
+# Ranks per node and learners (comm.default_layout, README "GPUs, many nodes and clusters"): one rank per
 # GPU, learners and samplers in powers of two so that the default batch divides; on one
 # GPU a learner and a sampler share it; on CPU 2 learners and 1 sampler.
 read -r DEFAULT_NPROC DEFAULT_LEARNERS < <("$PYTHON" -c 'import sys, comm; print(*comm.default_layout(int(sys.argv[1]), int(sys.argv[2])))' "$GPUS" "$NNODES")

@@ -110,7 +110,7 @@ def test_default_run_prints_a_start_line_a_bar_evals_and_a_summary(tiny_model, t
         (["--lr", "abc"], "", "argument --lr"),
         (["--no-such-flag"], "", "unrecognized arguments"),
         # a mistyped model: a path that is no model folder, a folder without a config.json,
-        # and a hub name that this machine can neither find in its cache nor fetch
+        # and a hub name that can be neither found in the local cache nor fetched
         (["--model", "/nonexistent/model"], "", "--model /nonexistent/model: no such folder"),
         (["--model", ROOT], "", f"--model {ROOT}: a folder without a config.json"),
         (["--model", "nobody-grpo-test/no-such-model"], "", "--model nobody-grpo-test/no-such-model: not in the local"),

@@ -132,7 +132,7 @@ def test_overlong_penalty_follows_dapo():
     ],
 )
 def test_the_tiny_model_alone_drops_uniform_groups_and_pulls_harder_to_its_reference(flags, has_gpu, drop, beta, steps):
-    """The tiny model's own defaults (README, "The embedded tiny model"): at chance most of
+    """The tiny model's own defaults (docs/results.md, "The embedded tiny model"): at chance most of
     its groups are uniform (dropping them shortens its steps), its near-uniform warm-up
     policy needs a stronger KL, and 300 steps took two seeds of three past 0.85; any
     other model keeps every group, DeepSeekMath's 0.04 and 250 steps. An explicit flag

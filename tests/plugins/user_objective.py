@@ -1,5 +1,5 @@
 """A user's objective, loaded by `--objective user_objective:reinforce` in the tests: the
-shape README's "Adding an objective" shows."""
+shape README's "Extending" shows."""
 
 import torch
 
