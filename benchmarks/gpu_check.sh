@@ -57,3 +57,21 @@ if ahead:
           f" sampled {sum(r['tokens_sampled'] for r in ahead) / sum(r['sample_s'] for r in ahead):.0f} tokens/s,"
           f" peak learner memory {max(r['peak_memory_mb_learner'] for r in ahead):.0f} MB, sampler {sampler_mb:.0f} MB")
 EOF
+
+# The seed's model family: vLLM's Qwen3.5 module imports torchvision (through its Qwen3-VL
+# code) even for text. A tiny Qwen3.5 composite's engine must start and sample on the GPU,
+# with the CUDA torchvision that launch.sh keeps there, or the stand-in where it fails.
+.venv/bin/python - "$OUT" <<'EOF'
+import os, sys
+sys.path.insert(0, os.getcwd())
+from tests.plugins.hybrid_models import build_tiny_qwen3_5_composite
+try:
+    from sampler import Sampler
+    path = build_tiny_qwen3_5_composite(os.path.join(sys.argv[1], "qwen3_5_composite"))
+    engine = Sampler(path, 256, 0, "bfloat16", 0.3)
+    ok = len(engine.sample([[1, 2, 3]], 2, 8, 1.0, (0,))) == 2
+    why = ""
+except Exception as e:  # the failure is the finding
+    ok, why = False, f": {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+print(f"{'PASS' if ok else 'FAIL'} a Qwen3.5 composite's vLLM engine starts and samples on the GPU{why}")
+EOF
