@@ -374,7 +374,7 @@ def test_one_step_is_invariant_to_learners_and_micro_batches(tiny_model, tmp_pat
     normaliser cannot hide)."""
     from safetensors.torch import load_file
 
-    worker = os.path.join(ROOT, "tests", "invariance_worker.py")
+    worker = os.path.join(ROOT, "tests", "plugins", "invariance_worker.py")
     for n in (1, 2):
         cmd = [
             sys.executable,

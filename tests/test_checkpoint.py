@@ -28,7 +28,7 @@ def start(out, *args, exits=None):
     cmd = torchrun_cmd(3, *FAST, "--out-dir", out, *args)
     if exits is not None:
         script = cmd.index(os.path.join(ROOT, "grpo.py"))
-        cmd[script:script] = [os.path.join(ROOT, "tests", "exit_status.py"), str(exits)]
+        cmd[script:script] = [os.path.join(ROOT, "tests", "plugins", "exit_status.py"), str(exits)]
     return subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )

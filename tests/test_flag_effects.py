@@ -18,7 +18,7 @@ from grpo import Rollout, train_step
 @pytest.fixture(scope="module")
 def steps(tiny_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("flag_effects")
-    worker = os.path.join(ROOT, "tests", "flag_effects_worker.py")
+    worker = os.path.join(ROOT, "tests", "plugins", "flag_effects_worker.py")
     result = subprocess.run([sys.executable, worker, tiny_model, str(out)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return lambda name: torch.load(out / f"{name}.pt")
