@@ -140,7 +140,9 @@ def main():
     on_policy = run(f"{out}/on_policy", *exact)
     resumed = run(f"{out}/resumed", *exact, "--resume", f"{out}/on_policy/checkpoints/step_2")
 
-    dtype = "bfloat16" if gpu else "float32"
+    from config import cpu_has_bf16, precision
+
+    dtype = precision(None, bool(gpu), cpu_has_bf16())  # what the run's default resolved to
     check([r["step"] for r in ahead] == list(range(6)), f"6 steps, --max-staleness 1, --dtype auto ({dtype})")
     evals = [json.loads(line) for line in open(f"{out}/ahead/metrics.jsonl") if "eval_accuracy" in line]
     accuracy = [round(r["eval_accuracy"], 3) for r in evals]
@@ -149,7 +151,7 @@ def main():
     check(os.path.exists(f"{out}/ahead/checkpoints/step_3"), f"{dtype} checkpoint saved at step 3")
     # bf16 on both sides: per-token gaps of a few 1e-2 are bf16 rounding through the
     # network; stale or wrong weights give gaps of order 1.
-    bound = 0.05 if gpu else 1e-4
+    bound = 0.05 if dtype == "bfloat16" else 1e-4
     worst = ahead[0]["mismatch_mean"] if ahead else float("inf")
     check(worst < bound, f"{dtype} sampler vs learner log-probs at step 0: mean |diff| {worst:.2e} < {bound}")
     worst = max((r["mismatch_mean"] for r in on_policy), default=float("inf"))

@@ -248,3 +248,24 @@ def test_sigterm_to_launch_sh_checkpoints_and_exits_75(tiny_model, tmp_path):
     ], lines
     assert raw.decode().endswith(lines[1] + "\n")  # and no progress bar drawn again after it
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{step}"
+
+
+def test_a_signal_whose_ranks_cannot_save_is_one_line(tiny_model, tmp_path):
+    """launch.sh is signalled, but the ranks die before they could save (killed outright
+    here, as a scheduler's SIGKILL after its grace would): one line says that no
+    checkpoint was saved, in place of a failed rank's report."""
+    out = tmp_path / "run"
+    proc = launch(out, "--steps", 1000, *FAST)
+    try:
+        wait_for_steps(proc, out, 1)
+        ranks = ranks_of(proc)
+        for pid in ranks.values():
+            os.kill(pid, signal.SIGKILL)
+        proc.send_signal(signal.SIGTERM)
+        raw, _ = proc.communicate(timeout=120)
+    finally:
+        stop(proc)
+    lines = console_lines(raw)
+    print("\n".join(lines))
+    assert proc.returncode != 0 and not (out / "checkpoints" / "latest").exists()
+    assert lines[1:] == [f"stopped by a signal before any checkpoint was saved: nothing to resume; logs in {out}/logs"]
