@@ -5,9 +5,11 @@
 #   bash launch.sh --steps 200 --lr 2e-6  # any grpo.py flag
 #   NPROC=4 LEARNERS=2 bash launch.sh     # ranks on this node, and learners in all
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 bash launch.sh   # on each node
-#   bash launch.sh test [pytest args]     # the test suite
+#   bash launch.sh test [pytest args]     # the test suite (-m "not system": the fast tier)
+#   bash launch.sh gpus                   # how many GPUs this node shows (nothing is installed)
 #
-# The first call builds .venv from requirements.txt (GPU) or requirements-cpu.txt.
+# The first call builds .venv from requirements.txt (GPU) or requirements-cpu.txt; the
+# first `test` adds requirements-test.txt.
 set -euo pipefail
 cd "$(dirname "$0")"
 
