@@ -77,7 +77,10 @@ def pytest_sessionfinish(session, exitstatus):
     its tests must not depend on, nor leave, the working tree's state."""
     touched = sorted({path for path, *_ in tree_state() ^ session.config.tree_before})
     if touched:
-        print(f"\nthe test suite (or another job in this clone) changed files in {ROOT}: {', '.join(touched[:10])}", file=sys.stderr)
+        print(
+            f"\nthe test suite (or another job in this clone) changed files in {ROOT}: {', '.join(touched[:10])}",
+            file=sys.stderr,
+        )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
