@@ -295,7 +295,11 @@ def rules(cfg, world_size, has_gpu):
     error = cfg.model != "tiny" and model_folder_error(cfg.model)
     yield not error, f"--model {cfg.model}: {error}"
     yield (
-        has_gpu or cfg.model == "tiny" or cfg.dtype != "float32" or not is_hybrid(cfg.model),
+        has_gpu
+        or cfg.model == "tiny"
+        or cfg.dtype != "float32"
+        or not os.path.isdir(cfg.model)  # a hub model's config is not fetched here
+        or not is_hybrid(cfg.model),
         "--dtype float32: vLLM's CPU kernel for this model's linear-attention layers runs only in bf16 ('CPU GDN attention requires BF16'); use --dtype bfloat16",
     )
     yield (

@@ -253,3 +253,11 @@ def test_the_recipe_builds_causal_conv1d_against_the_installed_torch():
     with open(os.path.join(ROOT, "recipes", "requirements-qwen3_5.txt")) as f:
         listed = [line for line in f if line.strip().startswith("causal-conv1d")]
     assert len(installs) == 1 and "--no-build-isolation" in installs[0] and not listed
+
+
+def test_a_hub_model_on_cpu_is_checked_without_fetching_its_config():
+    """The CPU float32 refusal of hybrid models reads a local folder's config only: a hub
+    name is resolved without the network (here there is none)."""
+    argv = ["--model", "Qwen/Qwen3.5-4B", "--dtype", "float32", "--learners", "2", "--out-dir", "/nonexistent/run"]
+    cfg = resolve(parse_config(argv), 3, has_gpu=False)
+    assert (cfg.model, cfg.dtype) == ("Qwen/Qwen3.5-4B", "float32")
