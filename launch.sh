@@ -61,7 +61,8 @@ NODE_RANK=${NODE_RANK:-0}
 # Ranks per node and learners (comm.default_layout, README "GPUs, many nodes and clusters"): one rank per
 # GPU, learners and samplers in powers of two so that the default batch divides; on one
 # GPU a learner and a sampler share it; on CPU 2 learners and 1 sampler.
-read -r DEFAULT_NPROC DEFAULT_LEARNERS < <("$PYTHON" -c 'import sys, comm; print(*comm.default_layout(int(sys.argv[1]), int(sys.argv[2])))' "$GPUS" "$NNODES")
+# One Python start (it imports torch) for both: the layout, and a free port for one node.
+read -r DEFAULT_NPROC DEFAULT_LEARNERS FREE_PORT < <("$PYTHON" -c 'import sys, comm; print(*comm.default_layout(int(sys.argv[1]), int(sys.argv[2])), comm.free_port())' "$GPUS" "$NNODES")
 if [ -z "${NPROC:-}" ]; then
     NPROC=$DEFAULT_NPROC
     LEARNERS=${LEARNERS:-$DEFAULT_LEARNERS}
@@ -80,7 +81,7 @@ OUT_DIR=$(WORLD_SIZE=$(( NPROC * NNODES )) LOCAL_WORLD_SIZE=$NPROC GROUP_RANK=$N
 # One node: a free port, so that two jobs on one machine do not collide on torchrun's 29500.
 if [ -z "${MASTER_PORT:-}" ]; then
     MASTER_PORT=29500
-    [ "$NNODES" -eq 1 ] && MASTER_PORT=$("$PYTHON" -c 'import comm; print(comm.free_port())')
+    [ "$NNODES" -eq 1 ] && MASTER_PORT=$FREE_PORT
 fi
 TORCHRUN=("$PYTHON" -m torch.distributed.run
     --nnodes "$NNODES"
