@@ -26,8 +26,14 @@ status=0
 for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
 exit $status
 """
+# The second host name comes a moment after the first, as a real scontrol's output may:
+# a reader that stops after one line (head -n 1) kills it with SIGPIPE, which pipefail in
+# the script turns into exit 141 (seen once in CI before the script read with sed).
 SCONTROL = """#!/usr/bin/env bash
-[ "$1 $2" = "show hostnames" ] && printf '127.0.0.1\\nnode-b\\n'
+[ "$1 $2" = "show hostnames" ] || exit 1
+echo 127.0.0.1
+sleep 0.2
+echo node-b
 """
 
 
