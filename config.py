@@ -51,7 +51,10 @@ class Config:
     importance: str = "token"  # token | sequence (GSPO): the ratio every objective sees
     scale: str = "group"  # advantage scaling: group | batch | none
     beta: float | None = None  # k3 KL to the initial policy, as DeepSeekMath (a frozen, sharded copy); None: per model
-    tis_cap: float = 0.0  # > 0: truncated importance sampling of the sampler/learner mismatch at this cap
+    mismatch: str = "none"  # sampler/learner mismatch correction: none | tis | mask | seq-mask (grpo.mismatch_weight)
+    mismatch_low: float | None = None  # the band's low end (mask, seq-mask); None: MISMATCH_BANDS
+    mismatch_high: float | None = None  # the band's high end, tis's cap; None: MISMATCH_BANDS
+    tis_cap: float = 0.0  # > 0: short for --mismatch tis --mismatch-high C
     drop_uniform_groups: bool | None = None  # DAPO: drop groups of all-equal rewards; None: per model
     overlong: str = "none"  # completions cut at --max-new-tokens: none | mask (out of the loss) | penalty (DAPO)
     overlong_buffer: int | None = None  # penalty ramp length in tokens; None: max-new-tokens // 4
@@ -107,6 +110,10 @@ MODEL_DEFAULTS = {
     "beta": (0.1, 0.04),
     "drop_uniform_groups": (True, False),
 }
+# Each --mismatch correction's default band (low, high) on pi_learner / pi_sampler: TIS's
+# cap of 2 (Yao et al., 2025), IcePop's [0.5, 5] (Ling team, 2025), and SkyRL's advice of
+# about 1 +- 0.01 for a sequence's geometric mean.
+MISMATCH_BANDS = {"none": (None, None), "tis": (None, 2.0), "mask": (0.5, 5.0), "seq-mask": (0.99, 1.01)}
 DTYPES = ("bfloat16", "float32")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALES = ("group", "batch", "none")
@@ -204,6 +211,13 @@ def resolve(cfg, world_size, has_gpu, cpu_bf16=False):
     if cfg.max_tokens_per_microbatch is None:  # room for one whole sequence at least
         cfg.max_tokens_per_microbatch = max(4096, cfg.max_prompt_len + cfg.max_new_tokens)
     cfg.lora_alpha = 2.0 * cfg.lora_rank if cfg.lora_alpha is None else cfg.lora_alpha
+    if cfg.tis_cap and cfg.mismatch == "none":  # the shorthand
+        cfg.mismatch = "tis"
+    low, high = MISMATCH_BANDS.get(cfg.mismatch, (None, None))
+    if cfg.mismatch == "tis" and cfg.tis_cap:
+        high = cfg.tis_cap
+    cfg.mismatch_low = low if cfg.mismatch_low is None else cfg.mismatch_low
+    cfg.mismatch_high = high if cfg.mismatch_high is None else cfg.mismatch_high
     if cfg.eval_only:
         cfg.steps = 0
     for ok, message in rules(cfg, world_size, has_gpu):
@@ -268,6 +282,25 @@ def rules(cfg, world_size, has_gpu):
         "--lr must be >= 0, --epsilon > 0 and --epsilon-high >= --epsilon",
     )
     yield cfg.beta >= 0 and cfg.tis_cap >= 0, "--beta and --tis-cap must be >= 0"
+    yield (
+        cfg.mismatch in MISMATCH_BANDS,
+        f"--mismatch must be one of {', '.join(MISMATCH_BANDS)}, got {cfg.mismatch!r}",
+    )
+    low, high = cfg.mismatch_low, cfg.mismatch_high
+    yield (
+        not cfg.tis_cap or (cfg.mismatch == "tis" and high == cfg.tis_cap),
+        f"--tis-cap {cfg.tis_cap} is short for --mismatch tis --mismatch-high {cfg.tis_cap}: give one or the other",
+    )
+    if cfg.mismatch == "none":
+        yield low is None and high is None, "--mismatch-low and --mismatch-high need a --mismatch correction"
+    elif cfg.mismatch == "tis":
+        yield low is None, "--mismatch tis caps the ratio from above only: drop --mismatch-low"
+        yield high > 0, f"--mismatch-high (the TIS cap) must be > 0, got {high}"
+    else:
+        yield (
+            0 <= low <= 1 <= high,
+            f"--mismatch {cfg.mismatch}'s band must hold 1: 0 <= --mismatch-low ({low}) <= 1 <= --mismatch-high ({high})",
+        )
     yield (
         not cfg.lora_rank or any(cfg.lora_targets.split(",")),
         "--lora-targets must name at least one linear layer, e.g. q_proj,v_proj",

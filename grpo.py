@@ -17,13 +17,16 @@ flag, the same normalisation rules for all (aggregate):
     --importance sequence   one ratio per sequence, the tokens' geometric mean   GSPO (Zheng et al., 2025)
     --objective cispo       -sg(min(rho, 1 + eps_high)) A log pi         CISPO (MiniMax-M1, 2025)
     --objective sapo        a soft gate 4/tau sigmoid(tau (rho - 1)) in place of the clip   SAPO (Qwen, 2025)
-    --tis-cap C             each token weighted by min(pi / pi_sampler, C)   TIS (Yao et al., 2025)
+    --mismatch tis          each token weighted by min(pi / pi_sampler, high)   TIS (Yao et al., 2025)
+    --mismatch mask         tokens with pi / pi_sampler outside [low, high] out, the rest weighted by it
+                                                                         IcePop (Ling, 2025); MIS
+    --mismatch seq-mask     sequences whose geometric-mean ratio leaves [low, high] out   SkyRL, verl geo_rs
     --beta                  k3 estimate of KL to the initial policy      DeepSeekMath
 
 An objective is one function of (logp, sampler_logp, advantages, mask) and its own keyword
 parameters (set with --objective-args name=value; epsilon, epsilon_high and importance come
-from the flags of those names); aggregation, the KL and TIS are applied around it, the same
-for every objective. The job that runs this (the two roles, the weight sync) is job.py."""
+from the flags of those names); aggregation, the KL and the mismatch correction are applied
+around it, the same for every objective. The job that runs this (the two roles, the weight sync) is job.py."""
 
 import functools
 import importlib
@@ -71,7 +74,8 @@ def importance_log_ratio(logp, sampler_logp, mask, importance):
 
 # Objectives: (logp, sampler_logp, advantages, mask, *, own parameters) -> (per-token
 # loss [B, T], stats). The loss need not be masked (aggregate masks it). Each stat is a
-# sum over this batch's completion tokens and is reported per token under its own name.
+# sum over this batch's completion tokens and is reported per token under its own name
+# (one named *_seqs counts sequences instead, and is reported per sequence).
 # An objective may carry `check(**parameters) -> message or None`, asked once at start.
 
 
@@ -188,6 +192,32 @@ def aggregate(per_token, mask, loss_type, num_sequences, num_tokens, max_new_tok
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
+def mismatch_weight(logp, sampler_logp, mask, mode, low, high):
+    """The training-inference mismatch correction: a detached weight per token [B, T] from
+    the ratio of the learner's probability to the sampler's, which differ by numerics
+    (bf16 kernels, another engine) even on-policy, and by one step with --max-staleness 1.
+      tis       min(ratio, high)                                   TIS (Yao et al., 2025)
+      mask      ratio inside [low, high], else 0                   IcePop (Ling team, 2025)
+      seq-mask  1, or 0 for the whole sequence when the geometric mean of its ratios
+                leaves [low, high]                                 SkyRL; verl's geo_rs
+    A weight of 0 removes exactly that token's gradient; the normalisers still count it.
+    Returns (weight, stats): the tokens and sequences the masks dropped."""
+    log_ratio = (logp.detach() - sampler_logp) * mask  # [B, T]
+    ratio = torch.exp(log_ratio)
+    if mode == "tis":
+        return mask * ratio.clamp(max=high), {}
+    if mode == "mask":
+        kept = mask * ((ratio >= low) & (ratio <= high))
+        weight = kept * ratio
+    elif mode == "seq-mask":
+        geometric = torch.exp(log_ratio.sum(-1) / mask.sum(-1).clamp(min=1))  # [B]
+        kept = weight = mask * ((geometric >= low) & (geometric <= high))[:, None]
+    else:
+        raise ValueError(f"unknown mismatch correction {mode!r}")
+    dropped = mask - kept  # [B, T]
+    return weight, {"mismatch_masked_tokens": dropped.sum(), "mismatch_masked_seqs": (dropped.sum(-1) > 0).sum()}
+
+
 def policy_loss(
     logp, sampler_logp, advantages, mask, cfg, ref_logp=None, num_sequences=None, num_tokens=None, objective=None
 ):
@@ -195,14 +225,18 @@ def policy_loss(
     reference, weighted and aggregated. logp [B, T] is the learner's (before this step's
     update) and sampler_logp the sampler's; num_sequences and num_tokens are the whole
     step's (default: this batch's); `objective` is bind_objective's (default: bound here).
-    With --tis-cap, each token is weighted by min(pi_learner / pi_sampler, cap), detached
-    (truncated importance sampling), and the objective's ratio is taken against the
-    learner's own log-probs instead. Returns (loss, stat sums over this batch's tokens)."""
-    weight = mask  # [B, T]
-    if cfg.tis_cap > 0:
-        weight = mask * torch.exp(logp.detach() - sampler_logp).clamp(max=cfg.tis_cap)
+    With a --mismatch correction, each token is weighted by mismatch_weight, and the
+    objective's ratio is taken against the learner's own log-probs instead of the
+    sampler's (the decoupled form: the correction handles sampler vs learner, the clip
+    the policy's own change). Returns (loss, stat sums over this batch's tokens)."""
+    weight, mismatch_stats = mask, {}  # [B, T]
+    if cfg.mismatch != "none":
+        weight, mismatch_stats = mismatch_weight(
+            logp, sampler_logp, mask, cfg.mismatch, cfg.mismatch_low, cfg.mismatch_high
+        )
         sampler_logp = logp.detach()
     per_token, stats = (objective or bind_objective(cfg))(logp, sampler_logp, advantages, mask)
+    stats.update(mismatch_stats)
     if cfg.beta > 0:
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # k3: unbiased, always >= 0
         per_token = per_token + cfg.beta * kl

@@ -75,7 +75,8 @@ def reduce_metrics(sums, maxima, device):
 
 def step_metrics(step, rollouts, reports, sums, token_sums, maxima, grad_norm, lr, wait_s, train_s):
     """One row of metrics.jsonl. token_sums (the objective's metrics, the KL, the
-    mismatch and the entropy) are sums over the trained tokens, reported per token."""
+    mismatch and the entropy) are sums over the trained tokens, reported per token (a
+    *_seqs one counts sequences, and is reported per trained sequence)."""
     rewards = torch.tensor([c.reward for c in rollouts])
     lengths = torch.tensor([len(c.token_ids) for c in rollouts], dtype=torch.float32)
     parts = {name: sum(c.parts[name] for c in rollouts) / len(rollouts) for name in rollouts[0].parts}
@@ -95,7 +96,10 @@ def step_metrics(step, rollouts, reports, sums, token_sums, maxima, grad_norm, l
         "loss": sums["loss"],
         "grad_norm": grad_norm,
         "lr": lr,
-        **{k: v / tokens for k, v in token_sums.items()},
+        **{
+            k: v / (max(1.0, sums["sequences_trained"]) if k.endswith("_seqs") else tokens)
+            for k, v in token_sums.items()
+        },
         "mismatch_max": maxima["mismatch"],
         "groups_uniform": int(sums["groups_uniform"]),
         "groups_dropped": int(sums["groups_dropped"]),

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from config import Config
+from config import Config, parse_config, resolve
 from conftest import ROOT, free_port
 from grpo import group_advantages, overlong_penalty, policy_loss
 
@@ -50,22 +50,27 @@ def ref_loss(
     max_new=None,
     ref=None,
     beta=0.0,
-    tis_cap=0.0,
+    mismatch="none",
+    low=None,
+    high=None,
 ):
     B, T = len(logp), len(logp[0])
     per_seq, total, tokens = [], 0.0, 0
     for i in range(B):
         idx = [t for t in range(T) if mask[i][t]]
-        if importance == "sequence":
-            s = math.exp(sum(logp[i][t] - old[i][t] for t in idx) / max(1, len(idx)))
+        geometric = math.exp(sum(logp[i][t] - old[i][t] for t in idx) / max(1, len(idx)))
         seq_sum = 0.0
         for t in idx:
-            if tis_cap > 0:
-                weight, ratio = min(math.exp(logp[i][t] - old[i][t]), tis_cap), 1.0
-            else:
-                weight, ratio = 1.0, math.exp(logp[i][t] - old[i][t])
-            if importance == "sequence":
-                ratio = s
+            r = math.exp(logp[i][t] - old[i][t])
+            # a correction weighs sampler against learner; the ratio is then the learner's own (1)
+            if mismatch == "none":
+                weight, ratio = 1.0, (geometric if importance == "sequence" else r)
+            elif mismatch == "tis":
+                weight, ratio = min(r, high), 1.0
+            elif mismatch == "mask":
+                weight, ratio = (r if low <= r <= high else 0.0), 1.0
+            elif mismatch == "seq-mask":
+                weight, ratio = (1.0 if low <= geometric <= high else 0.0), 1.0
             clipped = min(max(ratio, 1 - eps_low), 1 + eps_high)
             term = -min(ratio * adv[i], clipped * adv[i])
             if beta > 0:
@@ -148,8 +153,12 @@ CASES = [
     dict(loss_type="dr_grpo"),
     dict(loss_type="grpo", importance="sequence"),
     dict(loss_type="bnpo", beta=0.05),
-    dict(loss_type="grpo", tis_cap=1.5),
-    dict(loss_type="dr_grpo", beta=0.1, tis_cap=2.0, epsilon_high=0.3),
+    dict(loss_type="grpo", mismatch="tis", mismatch_high=1.5),
+    dict(loss_type="dr_grpo", beta=0.1, mismatch="tis", mismatch_high=2.0, epsilon_high=0.3),
+    dict(loss_type="grpo", mismatch="mask", mismatch_low=0.8, mismatch_high=1.25),
+    dict(loss_type="bnpo", beta=0.1, mismatch="mask", mismatch_low=0.9, mismatch_high=1.1),
+    dict(loss_type="grpo", mismatch="seq-mask", mismatch_low=0.95, mismatch_high=1.05),
+    dict(loss_type="dr_grpo", mismatch="seq-mask", mismatch_low=0.9, mismatch_high=1.1),
 ]
 
 
@@ -171,7 +180,9 @@ def test_loss_matches_loops(case, seed):
         7,
         ref.tolist(),
         case.get("beta", 0.0),
-        case.get("tis_cap", 0.0),
+        case.get("mismatch", "none"),
+        case.get("mismatch_low"),
+        case.get("mismatch_high"),
     )
     assert got.item() == pytest.approx(want, rel=1e-10, abs=1e-12)
 
@@ -180,7 +191,8 @@ def test_loss_matches_loops(case, seed):
 ALL_CASES = CASES + [
     dict(loss_type="bnpo", objective="cispo", epsilon_high=0.3),
     dict(loss_type="dr_grpo", objective="sapo", beta=0.05),
-    dict(objective="sapo", tis_cap=1.5),
+    dict(objective="sapo", mismatch="tis", mismatch_high=1.5),
+    dict(objective="cispo", mismatch="mask", mismatch_low=0.8, mismatch_high=1.25),
 ]
 
 
@@ -203,6 +215,36 @@ def test_micro_batch_losses_sum_to_the_batch_loss(case):
         for i in range(0, 6, 2)
     )
     assert parts.item() == pytest.approx(whole.item(), rel=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["mask", "seq-mask"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_masking_a_token_removes_exactly_its_gradient(mode, loss_type):
+    """Against the same loss with the weight of plain IS (TIS with no cap): each token the
+    mask drops has a gradient of exactly 0, and every other token keeps its gradient as
+    it was (times 1/ratio for seq-mask, which keeps tokens at weight 1), bit for bit."""
+    logp, old, ref, adv, mask = random_batch(7, B=8)
+    band = {"mask": (0.8, 1.25), "seq-mask": (0.95, 1.05)}[mode]
+    grads, stats = {}, {}
+    plain_is = dict(mismatch="tis", mismatch_high=math.inf)
+    for name, case in [("is", plain_is), (mode, dict(mismatch=mode, mismatch_low=band[0], mismatch_high=band[1]))]:
+        x = logp.clone().requires_grad_()
+        cfg = loss_config(loss_type=loss_type, beta=0.1, **case)
+        loss, stats[name] = policy_loss(x, old, adv, mask, cfg, ref_logp=ref)
+        loss.backward()
+        grads[name] = x.grad
+    ratio = torch.exp(logp - old)
+    geometric = torch.exp(((logp - old) * mask).sum(-1) / mask.sum(-1))[:, None]
+    inside = (
+        (ratio >= band[0]) & (ratio <= band[1]) if mode == "mask" else (geometric >= band[0]) & (geometric <= band[1])
+    )
+    kept, dropped = mask.bool() & inside, mask.bool() & ~inside
+    assert 0 < dropped.sum() < mask.sum()  # the batch has both
+    assert torch.all(grads[mode][dropped] == 0) and torch.all(grads[mode][kept] != 0)
+    want = grads["is"] if mode == "mask" else grads["is"] / ratio.expand_as(mask)
+    assert torch.allclose(grads[mode][kept], want[kept], rtol=1e-12, atol=0)
+    assert stats[mode]["mismatch_masked_tokens"] == dropped.sum()
+    assert stats[mode]["mismatch_masked_seqs"] == dropped.any(-1).sum()
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo"])
@@ -331,7 +373,6 @@ def test_an_objective_declares_its_own_parameters():
     """An objective's keyword defaults are its parameters: --objective-args sets them, the
     flags of the same name (epsilon, ...) fill the shared ones, and a bad one is refused
     when the config resolves, before any model loads."""
-    from config import parse_config, resolve
     from grpo import bind_objective
 
     logp, old, _, adv, mask = random_batch(2)
@@ -356,6 +397,33 @@ def test_an_objective_declares_its_own_parameters():
     for args in ("tau_pos=0", "tau_pos=x"):
         with pytest.raises(ValueError):
             bind_objective(loss_config(objective="sapo", objective_args=args))
+
+
+def test_the_mismatch_flags_resolve_to_one_band_or_refuse_in_one_line(capsys):
+    def resolved(args):
+        argv = [*args.split(), "--out-dir", "/nonexistent/run"]
+        cfg = resolve(parse_config(argv), world_size=3, has_gpu=False)
+        return cfg.mismatch, cfg.mismatch_low, cfg.mismatch_high
+
+    assert resolved("") == ("none", None, None)
+    assert resolved("--tis-cap 1.5") == resolved("--mismatch tis --mismatch-high 1.5") == ("tis", None, 1.5)
+    assert resolved("--mismatch tis") == ("tis", None, 2.0)
+    assert resolved("--mismatch mask") == ("mask", 0.5, 5.0)  # IcePop's band
+    assert resolved("--mismatch seq-mask --mismatch-low 0.98") == ("seq-mask", 0.98, 1.01)
+    for args, why in [
+        ("--mismatch icepop", "--mismatch must be one of none, tis, mask, seq-mask"),
+        ("--tis-cap 2 --mismatch mask", "--tis-cap 2.0 is short for --mismatch tis"),
+        ("--tis-cap 2 --mismatch-high 3", "--tis-cap 2.0 is short for --mismatch tis"),
+        ("--mismatch-high 3", "need a --mismatch correction"),
+        ("--mismatch tis --mismatch-low 0.5", "caps the ratio from above only"),
+        ("--mismatch tis --mismatch-high 0", "must be > 0"),
+        ("--mismatch mask --mismatch-low 1.1", "band must hold 1"),
+        ("--mismatch seq-mask --mismatch-high 0.9", "band must hold 1"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            resolved(args)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and why in err, (args, err)
 
 
 def test_overlong_penalty():
@@ -392,7 +460,11 @@ def test_one_step_is_invariant_to_learners_and_micro_batches(tiny_model, tmp_pat
         assert result.returncode == 0, result.stderr[-4000:]
     initial = load_file(os.path.join(tiny_model, "model.safetensors"))
     names = sorted({os.path.basename(f).split("-")[0] for f in glob.glob(str(tmp_path / "*.pt"))})
-    assert names == ["bnpo", "cispo", "dapo", "dr_grpo", "grpo", "gspo", "kl_tis", "lora", "sapo"]
+    assert names == ["bnpo", "cispo", "dapo", "dr_grpo", "grpo", "gspo", "icepop", "kl_tis", "lora", "sapo", "seq_mask"]
+    for name in ("icepop", "seq_mask"):  # the masks drop some tokens (on one learner, its sums are the step's)
+        sums = torch.load(tmp_path / f"{name}-seq1-L1.pt")["sums"]
+        assert 0 < sums["mismatch_masked_tokens"] < sums["tokens"], sums
+        assert 0 < sums["mismatch_masked_seqs"] <= sums["sequences_trained"], sums
     for name in names:
         runs = {os.path.basename(f): torch.load(f)["state"] for f in sorted(glob.glob(str(tmp_path / f"{name}-*.pt")))}
         assert len(runs) == 10

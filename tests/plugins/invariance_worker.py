@@ -25,6 +25,10 @@ CONFIGS = {
     "dapo": {"loss_type": "dapo", "epsilon_high": 0.28, "drop_uniform_groups": True, "overlong": "mask"},
     "gspo": {"importance": "sequence", "scale": "batch"},
     "kl_tis": {"beta": 0.1, "tis_cap": 2.0, "overlong": "penalty", "overlong_buffer": 4},
+    # The tiny model gives these random tokens about 1e-3 of the sampler's made-up
+    # probability: bands that keep some tokens and sequences and drop others.
+    "icepop": {"mismatch": "mask", "mismatch_low": 0.002, "mismatch_high": 2.0, "loss_type": "dapo"},
+    "seq_mask": {"mismatch": "seq-mask", "mismatch_low": 0.002, "mismatch_high": 2.0},
     "cispo": {"objective": "cispo", "epsilon_high": 2.0, "loss_type": "bnpo"},
     "sapo": {"objective": "sapo", "importance": "sequence"},
     "lora": {"lora_rank": 4, "beta": 0.1},  # the KL reference is the adapters switched off
@@ -92,14 +96,15 @@ def main():
             adapters = (cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets.split(",")) if cfg.lora_rank else None
             learner = Learner(model_path, mesh, torch.device("cpu"), lr=0.0, reference=cfg.beta > 0, lora=adapters)
             learner.optimizer = torch.optim.SGD([p for p in learner.model.parameters() if p.requires_grad], lr=0.5)
-            *_, grad_norm = train_step(cfg, learner, copy.deepcopy(rollouts), rank)
+            sums, token_sums, _, grad_norm = train_step(cfg, learner, copy.deepcopy(rollouts), rank)
             state = {n: learner.full_tensor(n, torch.float32).clone() for n in learner.named_params}
             if cfg.lora_rank:  # the merged policy, in Hugging Face names: what the samplers run
                 base = {lora.base_name(n): t for n, t in state.items() if not n.endswith(("lora_A", "lora_B"))}
                 state = dict(lora.merged_weights(base, state, cfg.lora_alpha / cfg.lora_rank))
             if rank == 0:
                 torch.save(
-                    {"state": state, "grad_norm": grad_norm}, os.path.join(out_dir, f"{name}-{split}-L{world}.pt")
+                    {"state": state, "grad_norm": grad_norm, "sums": {**sums, **token_sums}},
+                    os.path.join(out_dir, f"{name}-{split}-L{world}.pt"),
                 )
     dist.destroy_process_group()
 
