@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import checkpoint
 from comm import placement
 from data import dataset_error
+from evals import accuracy_reward
 from models import is_hybrid
 from rewards import parse_reward_spec
 
@@ -85,6 +86,8 @@ class Config:
     eval_every: int = 50  # greedy held-out eval every K steps, and at the start and end; 0: never
     eval_dataset: str = ""  # held-out set (its 'test' split); empty: --dataset's
     eval_size: int = 256  # held-out prompts per eval; 0: the whole test split
+    eval_samples: int = 1  # completions per held-out prompt; > 1: pass@k and maj@n too (evals.py)
+    eval_temperature: float | None = None  # None: greedy for one sample, --temperature for several
     eval_only: bool = False  # evaluate --model and exit
     samples_every: int = 10  # write a few completions to samples.jsonl every K steps; 0: never
     seed: int = 0  # data order, sampling and initialisation
@@ -220,12 +223,15 @@ def resolve(cfg, world_size, has_gpu, cpu_bf16=False):
     cfg.mismatch_high = high if cfg.mismatch_high is None else cfg.mismatch_high
     if cfg.eval_only:
         cfg.steps = 0
+    if cfg.eval_temperature is None:
+        cfg.eval_temperature = 0.0 if cfg.eval_samples == 1 else cfg.temperature
     for ok, message in rules(cfg, world_size, has_gpu):
         if not ok:
             fail(message)
     for flag, check in [
         ("objective", lambda: bind_objective(cfg)),
         ("rewards", lambda: parse_reward_spec(cfg.rewards)),
+        ("eval-samples", lambda: answers_read(cfg)),
     ]:
         try:
             check()
@@ -237,6 +243,14 @@ def resolve(cfg, world_size, has_gpu, cpu_bf16=False):
         except ValueError as e:
             fail(f"--resume: {e}")
     return cfg
+
+
+def answers_read(cfg):
+    """pass@k and maj@n need to know which samples are right: a reward with `fn.answer`."""
+    if cfg.eval_samples > 1 and not accuracy_reward(parse_reward_spec(cfg.rewards)):
+        raise ValueError(
+            f"pass@k and maj@n need a reward in --rewards that declares the answer it reads (fn.answer), as accuracy does; got {cfg.rewards!r}"
+        )
 
 
 def rules(cfg, world_size, has_gpu):
@@ -325,6 +339,12 @@ def rules(cfg, world_size, has_gpu):
         f"--max-reward-errors is a fraction in [0, 1], got {cfg.max_reward_errors}",
     )
     yield bool(cfg.prompt_field), "--prompt-field must name a dataset column"
+    yield cfg.eval_samples >= 1, f"--eval-samples must be at least 1, got {cfg.eval_samples}"
+    yield (
+        cfg.eval_temperature > 0 or cfg.eval_samples == 1,
+        f"--eval-samples {cfg.eval_samples} at --eval-temperature 0 would draw one greedy completion {cfg.eval_samples} times: give a temperature > 0",
+    )
+    yield cfg.eval_temperature >= 0, f"--eval-temperature must be >= 0, got {cfg.eval_temperature}"
     error = cfg.model != "tiny" and model_folder_error(cfg.model)
     yield not error, f"--model {cfg.model}: {error}"
     yield (

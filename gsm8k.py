@@ -98,6 +98,7 @@ def gsm8k_accuracy(completion, record):
 gsm8k_accuracy.needs = ("answer",)
 gsm8k_accuracy.check = lambda row: None if parse_gsm8k_answer(row["answer"]) else "answer without a '#### <number>'"
 gsm8k_accuracy.system_prompt = SYSTEM_PROMPT
+gsm8k_accuracy.answer = lambda completion: to_number(final_answer(completion))  # what maj@n votes on (evals.py)
 
 FORMAT = re.compile(r"####[ \t]*\$?-?\d[\d,]*(?:\.\d+)?\.?[ \t]*")
 

@@ -55,6 +55,7 @@ from comm import (
 )
 from config import check_placement, cpu_has_bf16, fail, hub_model_error, parse_flags, resolve
 from data import load_prompts, shard, step_indices
+from evals import evaluate, write_samples
 from grpo import Rollout, bind_objective, train_step
 from models import text_to_checkpoint, weight_plan
 from rewards import check_failures, parse_reward_spec, score_batch
@@ -127,7 +128,8 @@ def run_sampler(cfg, path, index, num_samplers, weight_pg, rollout_pg, device, w
         if eval_due(cfg, step):
             try:  # a collective never runs inside abortable(): all ranks must join it or none
                 with checkpoint.abortable():
-                    result = {"eval": evaluate(engine, eval_prompts[index::num_samplers], cfg, reward_fns, step)}
+                    share = range(index, len(eval_prompts), num_samplers)
+                    result = {"eval": evaluate(engine, eval_prompts, share, cfg, reward_fns, step)}
             except checkpoint.Preempted:
                 result = {"stopped": True}
             send(result)
@@ -171,17 +173,6 @@ def run_sampler(cfg, path, index, num_samplers, weight_pg, rollout_pg, device, w
         send(report)
         if not syncs_before_sampling(cfg, step, first):
             weights_step = sync(step)
-
-
-def evaluate(engine, prompts, cfg, reward_fns, step):
-    """Greedy completions of this sampler's share of the held-out prompts: sums of every
-    reward and of the lengths, so the learner can add up the samplers' shares."""
-    completions = engine.sample([p["prompt_ids"] for p in prompts], 1, cfg.max_new_tokens, 0.0, (cfg.seed, "eval"))
-    totals, parts, _ = score_batch(
-        [c["text"] for c in completions], prompts, reward_fns, step, cfg.reward_timeout, cfg.reward_workers
-    )
-    sums = {name: sum(p[name] for p in parts) for name, _, _ in reward_fns}
-    return {"n": len(prompts), "length": sum(len(c["token_ids"]) for c in completions), "reward": sum(totals), **sums}
 
 
 def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
@@ -269,7 +260,10 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         if not eval_due(cfg, step):
             return timing
         t1 = time.time()
-        evals = metrics.merge_evals(collect(step, row))
+        reports = collect(step, row)
+        evals = metrics.merge_evals(reports)
+        if rank == 0:
+            write_samples(cfg.out_dir, step, reports)
         if rank == 0:
             console.say(metrics.eval_line(step, evals))
         return {**timing, "eval_s": time.time() - t1, **evals}

@@ -195,7 +195,7 @@ def merge_evals(reports):
     """One eval from the samplers' shares (each sampler sends one after every due sync)."""
     evals = [r["eval"] for r in reports]
     n = max(1, sum(e["n"] for e in evals))
-    return {f"eval_{k}": sum(e[k] for e in evals) / n for k in evals[0] if k != "n"}
+    return {f"eval_{k}": sum(e[k] for e in evals) / n for k in evals[0] if k not in ("n", "samples")}
 
 
 def estimate_learner_memory(

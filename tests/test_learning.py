@@ -2,9 +2,12 @@
 beyond what chance could; eval-only and the plot work from what a run leaves."""
 
 import json
+import math
 import os
 import subprocess
 import sys
+
+import pytest
 
 from conftest import ROOT, rows, torchrun
 
@@ -37,26 +40,37 @@ def test_grpo_improves_accuracy(tiny_model, tmp_path):
     assert (out / "curves.png").exists()
 
 
-def test_eval_only_on_a_saved_policy(tiny_model, tmp_path):
-    out = tmp_path / "eval"
+def test_eval_only_on_a_saved_policy_with_pass_at_k(tiny_model, tmp_path):
+    """--eval-only with 4 samples per prompt over 2 samplers: the row's pass@1, pass@k and
+    maj@4 are those recomputed here, with the binomials, from evals/step_0.jsonl."""
+    out, prompts, n = tmp_path / "eval", 16, 4
     result = torchrun(
-        2,
-        "--learners",
-        1,
-        "--eval-only",
-        "--model",
-        tiny_model,
-        "--dataset",
-        "synthetic",
-        "--eval-size",
-        16,
-        "--out-dir",
-        out,
+        3,
+        *("--learners", 1, "--eval-only", "--model", tiny_model, "--dataset", "synthetic"),
+        *("--eval-size", prompts, "--eval-samples", n, "--eval-temperature", 1.0, "--out-dir", out),
     )
     assert result.returncode == 0, result.stdout[-5000:]
     (row,) = rows(out)
-    assert row["step"] == 0 and 0 <= row["eval_accuracy"] <= 1 and row["eval_format"] > 0.5
+    assert row["step"] == 0 and row["eval_format"] > 0.5
     assert not (out / "final").exists()  # nothing trained, nothing saved
+    samples = [json.loads(line) for line in (out / "evals" / "step_0.jsonl").read_text().splitlines()]
+    assert [(s["index"], s["sample"]) for s in samples] == [(p, j) for p in range(prompts) for j in range(n)]
+    by_prompt = [samples[p * n : (p + 1) * n] for p in range(prompts)]
+    right = [sum(s["accuracy"] == 1.0 for s in group) for group in by_prompt]
+    assert row["eval_accuracy"] == pytest.approx(sum(right) / (prompts * n))
+    assert row["eval_pass_at_1"] == pytest.approx(sum(right) / (prompts * n))
+    for k in (2, 4):
+        want = sum(1 - math.comb(n - c, k) / math.comb(n, k) for c in right) / prompts
+        assert row[f"eval_pass_at_{k}"] == pytest.approx(want)
+    majority = 0
+    for group in by_prompt:
+        answers = [s["answer"] for s in group if s["answer"] is not None]
+        top = max(answers, key=answers.count) if answers else None  # max keeps the first of a tie
+        majority += any(s["answer"] == top and s["accuracy"] == 1.0 for s in group if top is not None)
+    assert row["eval_maj_at_4"] == pytest.approx(majority / prompts)
+    # sampled at temperature 1, the samples of a prompt differ: not one greedy answer 4 times
+    assert any(len({s["completion"] for s in group}) > 1 for group in by_prompt)
+    assert 0 < row["eval_pass_at_1"] <= row["eval_pass_at_2"] <= row["eval_pass_at_4"]
 
 
 def test_plot_from_metrics(tmp_path):
