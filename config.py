@@ -79,6 +79,11 @@ class Config:
     sync_bucket_mb: float = 64.0  # weight broadcast bucket size
     timeout_minutes: float = 30.0  # every process group's timeout: how long a rank waits for a stuck peer
     # ---- rewards
+    # ---- on-policy distillation (grpo.policy_loss)
+    teacher: str = (
+        ""  # a teacher model (folder or hub name, the policy's tokenizer): its per-token reverse KL joins the advantage
+    )
+    distill_coef: float = 1.0  # weight of the teacher's per-token term; --rewards accuracy=0 distils alone
     reward_timeout: float = 10.0  # seconds per user-reward call; a slower call scores 0 and is counted
     reward_workers: int = 1  # processes running user rewards (built-ins run in the sampler)
     max_reward_errors: float = 0.5  # stop when more than this fraction of a step's completions had a reward fail
@@ -203,6 +208,8 @@ def resolve(cfg, world_size, has_gpu, cpu_bf16=False):
 
     cfg.model = cfg.model or (HUB_MODEL if has_gpu else "tiny")
     tiny = cfg.model == "tiny"
+    if cfg.teacher and cfg.drop_uniform_groups is None:  # a group of equal rewards still learns from the teacher
+        cfg.drop_uniform_groups = False
     for name, (for_tiny, for_others) in MODEL_DEFAULTS.items():
         if getattr(cfg, name) is None:
             setattr(cfg, name, for_tiny if tiny else for_others)
@@ -347,6 +354,16 @@ def rules(cfg, world_size, has_gpu):
     yield cfg.eval_temperature >= 0, f"--eval-temperature must be >= 0, got {cfg.eval_temperature}"
     error = cfg.model != "tiny" and model_folder_error(cfg.model)
     yield not error, f"--model {cfg.model}: {error}"
+    if cfg.teacher:
+        error = model_folder_error(cfg.teacher)
+        yield not error, f"--teacher {cfg.teacher}: {error}"
+        yield (
+            not cfg.drop_uniform_groups,
+            "--teacher with --drop-uniform-groups would drop groups of equal rewards that still learn from the teacher: use --no-drop-uniform-groups",
+        )
+        yield cfg.distill_coef > 0, f"--distill-coef must be > 0 with a --teacher, got {cfg.distill_coef}"
+        error = teacher_tokenizer_error(cfg.model, cfg.teacher)
+        yield not error, f"--teacher {cfg.teacher}: {error}"
     yield (
         has_gpu
         or cfg.model == "tiny"
@@ -393,6 +410,22 @@ def model_folder_error(model):
     if not hub_name and not os.path.isfile(os.path.join(model, "config.json")):
         what = "a folder without a config.json" if os.path.isdir(model) else "no such folder"
         return f"{what} (a model is 'tiny', a local Hugging Face folder or a hub name 'namespace/name')"
+    return None
+
+
+def teacher_tokenizer_error(model, teacher):
+    """Why the teacher cannot score the policy's tokens (another vocabulary), or None.
+    Compared where both are folders (the tiny model once built); a hub name is not
+    fetched here."""
+    from tiny import tiny_model_dir
+
+    model = tiny_model_dir() if model == "tiny" else model
+    if not (os.path.isdir(model) and os.path.isdir(teacher)):
+        return None
+    from transformers import AutoTokenizer
+
+    if AutoTokenizer.from_pretrained(model).get_vocab() != AutoTokenizer.from_pretrained(teacher).get_vocab():
+        return f"its tokenizer is not the policy's ({model}): the teacher must score the same token ids"
     return None
 
 

@@ -22,6 +22,8 @@ flag, the same normalisation rules for all (aggregate):
                                                                          IcePop (Ling, 2025); MIS
     --mismatch seq-mask     sequences whose geometric-mean ratio leaves [low, high] out   SkyRL, verl geo_rs
     --beta                  k3 estimate of KL to the initial policy      DeepSeekMath
+    --teacher, --distill-coef   each token's advantage - coef (log pi - log pi_teacher)
+                                                  on-policy distillation (GKD, Agarwal et al., 2024)
 
 An objective is one function of (logp, sampler_logp, advantages, mask) and its own keyword
 parameters (set with --objective-args name=value; epsilon, epsilon_high and importance come
@@ -73,7 +75,8 @@ def importance_log_ratio(logp, sampler_logp, mask, importance):
 
 
 # Objectives: (logp, sampler_logp, advantages, mask, *, own parameters) -> (per-token
-# loss [B, T], stats). The loss need not be masked (aggregate masks it). Each stat is a
+# loss [B, T], stats); every tensor is [B, T] (advantages: each token's, the sequence's
+# group advantage plus any per-token term such as distillation's). The loss need not be masked (aggregate masks it). Each stat is a
 # sum over this batch's completion tokens and is reported per token under its own name
 # (one named *_seqs counts sequences instead, and is reported per sequence).
 # An objective may carry `check(**parameters) -> message or None`, asked once at start.
@@ -82,7 +85,7 @@ def importance_log_ratio(logp, sampler_logp, mask, importance):
 def clip(logp, sampler_logp, advantages, mask, *, epsilon=0.2, epsilon_high=0.2, importance="token"):
     """PPO's clipped ratio, as GRPO uses it: -min(r A, clip(r, 1-eps, 1+eps_high) A)."""
     ratio = torch.exp(importance_log_ratio(logp, sampler_logp, mask, importance))  # [B, T]
-    adv = advantages[:, None]  # [B, 1]
+    adv = advantages  # [B, T]
     per_token = -torch.min(ratio * adv, ratio.clamp(1 - epsilon, 1 + epsilon_high) * adv)
     with torch.no_grad():
         live = mask > 0
@@ -100,7 +103,7 @@ def cispo(logp, sampler_logp, advantages, mask, *, epsilon_high=0.2, importance=
     paper; the loss's value is not meaningful, its gradient is."""
     ratio = torch.exp(importance_log_ratio(logp, sampler_logp, mask, importance))  # [B, T]
     weight = ratio.clamp(max=1 + epsilon_high).detach()
-    per_token = -weight * advantages[:, None] * logp
+    per_token = -weight * advantages * logp
     with torch.no_grad():
         stats = {
             "ratio_mean": (ratio * mask).sum(),
@@ -115,8 +118,8 @@ def sapo(logp, sampler_logp, advantages, mask, *, tau_pos=1.0, tau_neg=1.05, imp
     fading smoothly as r leaves 1, faster for negative advantages (tau_neg > tau_pos: their
     off-policy tokens destabilise more)."""
     ratio = torch.exp(importance_log_ratio(logp, sampler_logp, mask, importance))  # [B, T]
-    adv = advantages[:, None]  # [B, 1]
-    tau = torch.where(adv > 0, tau_pos, tau_neg).to(ratio.dtype)  # [B, 1]
+    adv = advantages  # [B, T]
+    tau = torch.where(adv > 0, tau_pos, tau_neg).to(ratio.dtype)  # [B, T]
     gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau
     per_token = -gate * adv
     with torch.no_grad():
@@ -219,24 +222,45 @@ def mismatch_weight(logp, sampler_logp, mask, mode, low, high):
 
 
 def policy_loss(
-    logp, sampler_logp, advantages, mask, cfg, ref_logp=None, num_sequences=None, num_tokens=None, objective=None
+    logp,
+    sampler_logp,
+    advantages,
+    mask,
+    cfg,
+    ref_logp=None,
+    num_sequences=None,
+    num_tokens=None,
+    objective=None,
+    teacher_logp=None,
 ):
     """The loss of one micro-batch: the objective per token, plus beta * k3 KL to the
     reference, weighted and aggregated. logp [B, T] is the learner's (before this step's
-    update) and sampler_logp the sampler's; num_sequences and num_tokens are the whole
-    step's (default: this batch's); `objective` is bind_objective's (default: bound here).
+    update) and sampler_logp the sampler's; advantages [B] the group advantages;
+    num_sequences and num_tokens are the whole step's (default: this batch's);
+    `objective` is bind_objective's (default: bound here).
+    With a teacher (on-policy distillation: GKD, Agarwal et al., 2024; Thinking Machines,
+    2025), each sampled token's advantage gains distill_coef * (log pi_teacher - log pi),
+    minus the per-token reverse KL, so the policy is pulled to the teacher's choices on
+    its own samples; `teacher_kl` reports the KL's mean.
     With a --mismatch correction, each token is weighted by mismatch_weight, and the
     objective's ratio is taken against the learner's own log-probs instead of the
     sampler's (the decoupled form: the correction handles sampler vs learner, the clip
     the policy's own change). Returns (loss, stat sums over this batch's tokens)."""
-    weight, mismatch_stats = mask, {}  # [B, T]
+    advantages = advantages[:, None].expand_as(logp)  # [B, T]: the sequence's, on each token
+    extra_stats = {}
+    if teacher_logp is not None:
+        reverse_kl = logp.detach() - teacher_logp  # [B, T]: log pi - log pi_teacher, sampled tokens
+        advantages = advantages - cfg.distill_coef * reverse_kl
+        extra_stats["teacher_kl"] = (reverse_kl * mask).sum()
+    weight = mask  # [B, T]
     if cfg.mismatch != "none":
         weight, mismatch_stats = mismatch_weight(
             logp, sampler_logp, mask, cfg.mismatch, cfg.mismatch_low, cfg.mismatch_high
         )
+        extra_stats.update(mismatch_stats)
         sampler_logp = logp.detach()
     per_token, stats = (objective or bind_objective(cfg))(logp, sampler_logp, advantages, mask)
-    stats.update(mismatch_stats)
+    stats.update(extra_stats)
     if cfg.beta > 0:
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # k3: unbiased, always >= 0
         per_token = per_token + cfg.beta * kl
@@ -282,8 +306,18 @@ def train_step(cfg, learner, rollouts, rank, stop=None, objective=None):
     mine = packs[rank] + [[]] * (max(1, max(map(len, packs))) - len(packs[rank]))
     step_counts = {"num_sequences": max(1, len(batch)), "num_tokens": max(1, sum(len(c.token_ids) for c in batch))}
 
-    def loss_fn(logp, sampler_logp, advantages, mask, ref_logp):
-        return policy_loss(logp, sampler_logp, advantages, mask, cfg, ref_logp, **step_counts, objective=objective)
+    def loss_fn(logp, sampler_logp, advantages, mask, ref_logp, teacher_logp):
+        return policy_loss(
+            logp,
+            sampler_logp,
+            advantages,
+            mask,
+            cfg,
+            ref_logp,
+            **step_counts,
+            objective=objective,
+            teacher_logp=teacher_logp,
+        )
 
     sums, token_sums, maxima = learner.forward_backward(mine, loss_fn, cfg.temperature, stop)
     if batch:

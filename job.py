@@ -194,6 +194,7 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         compute_dtype=getattr(torch, cfg.dtype),
         lora=adapters,
         logprob_chunk=cfg.logprob_chunk,
+        teacher=cfg.teacher,
     )
     if rank == 0:  # in the log; on the console too when it may not fit
         memory = learner.memory_line(

@@ -276,6 +276,7 @@ class Learner:
         compute_dtype=torch.float32,
         logprob_chunk=1024,
         lora=None,
+        teacher=None,
     ):
         self.device = device
         self.model_path = model_path  # where save() takes a composite's other parts from
@@ -298,6 +299,9 @@ class Learner:
         self.reference = None
         if reference:
             self.reference = self.model if lora else load_sharded(model_path, mesh, device, compute_dtype, frozen=True)
+        # On-policy distillation's teacher (a folder or hub name): frozen, sharded like
+        # the reference, its log-probs taken on the sampled tokens.
+        self.teacher = load_sharded(teacher, mesh, device, compute_dtype, frozen=True) if teacher else None
         self.named_params = dict(self.model.named_parameters())
         self.loaded_attention = self.model.config._attn_implementation
         config = self.model.config
@@ -389,7 +393,11 @@ class Learner:
             if self.reference is not None:
                 with torch.no_grad(), lora_module.adapters_off(self.reference):
                     ref_logp = self.token_logprobs(self.reference, ids, attention, temperature, entropy=False)[0]
-            loss, stats = loss_fn(logp, sampler_logp, advantages, mask, ref_logp)
+            teacher_logp = None
+            if self.teacher is not None:
+                with torch.no_grad():
+                    teacher_logp = self.token_logprobs(self.teacher, ids, attention, temperature, entropy=False)[0]
+            loss, stats = loss_fn(logp, sampler_logp, advantages, mask, ref_logp, teacher_logp)
             (loss * self.grad_scale).backward()
             # Synchronous sampling used the weights the learner holds before its update,
             # so any gap is numerical mismatch between the two engines (or a broken

@@ -53,6 +53,8 @@ def ref_loss(
     mismatch="none",
     low=None,
     high=None,
+    teacher=None,
+    distill_coef=0.0,
 ):
     B, T = len(logp), len(logp[0])
     per_seq, total, tokens = [], 0.0, 0
@@ -71,8 +73,9 @@ def ref_loss(
                 weight, ratio = (r if low <= r <= high else 0.0), 1.0
             elif mismatch == "seq-mask":
                 weight, ratio = (1.0 if low <= geometric <= high else 0.0), 1.0
+            a = adv[i] - (distill_coef * (logp[i][t] - teacher[i][t]) if teacher else 0.0)
             clipped = min(max(ratio, 1 - eps_low), 1 + eps_high)
-            term = -min(ratio * adv[i], clipped * adv[i])
+            term = -min(ratio * a, clipped * a)
             if beta > 0:
                 d = ref[i][t] - logp[i][t]
                 term += beta * (math.exp(d) - d - 1)
@@ -159,6 +162,8 @@ CASES = [
     dict(loss_type="bnpo", beta=0.1, mismatch="mask", mismatch_low=0.9, mismatch_high=1.1),
     dict(loss_type="grpo", mismatch="seq-mask", mismatch_low=0.95, mismatch_high=1.05),
     dict(loss_type="dr_grpo", mismatch="seq-mask", mismatch_low=0.9, mismatch_high=1.1),
+    dict(loss_type="grpo", distill_coef=1.0),
+    dict(loss_type="dapo", distill_coef=0.3, beta=0.1, mismatch="mask", mismatch_low=0.8, mismatch_high=1.25),
 ]
 
 
@@ -167,7 +172,12 @@ CASES = [
 def test_loss_matches_loops(case, seed):
     logp, old, ref, adv, mask = random_batch(seed)
     eps_high = case.get("epsilon_high", 0.2)
-    got, _ = policy_loss(logp, old, adv, mask, loss_config(**case), ref_logp=ref)
+    teacher = None
+    if "distill_coef" in case:  # a teacher that disagrees with the policy by about 0.5 per token
+        teacher = logp + torch.randn(logp.shape, generator=torch.Generator().manual_seed(seed), dtype=logp.dtype) / 2
+    got, stats = policy_loss(logp, old, adv, mask, loss_config(**case), ref_logp=ref, teacher_logp=teacher)
+    if teacher is not None:
+        assert stats["teacher_kl"].item() == pytest.approx(((logp - teacher) * mask).sum().item(), rel=1e-12)
     want = ref_loss(
         logp.tolist(),
         old.tolist(),
@@ -183,6 +193,8 @@ def test_loss_matches_loops(case, seed):
         case.get("mismatch", "none"),
         case.get("mismatch_low"),
         case.get("mismatch_high"),
+        None if teacher is None else teacher.tolist(),
+        case.get("distill_coef", 0.0),
     )
     assert got.item() == pytest.approx(want, rel=1e-10, abs=1e-12)
 

@@ -4,12 +4,14 @@ beyond what chance could; eval-only and the plot work from what a run leaves."""
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, rows, torchrun
+from config import parse_config, resolve
+from conftest import FAST, ROOT, rows, torchrun
 
 
 def test_grpo_improves_accuracy(tiny_model, tmp_path):
@@ -71,6 +73,28 @@ def test_eval_only_on_a_saved_policy_with_pass_at_k(tiny_model, tmp_path):
     # sampled at temperature 1, the samples of a prompt differ: not one greedy answer 4 times
     assert any(len({s["completion"] for s in group}) > 1 for group in by_prompt)
     assert 0 < row["eval_pass_at_1"] <= row["eval_pass_at_2"] <= row["eval_pass_at_4"]
+
+
+def test_a_teacher_scores_the_policys_own_tokens(tiny_model, tmp_path, capsys):
+    """--teacher: the policy's own start as its teacher gives a teacher_kl of 0 at the first
+    step (the same weights score the same tokens) and not after the policy has moved; a
+    teacher with another vocabulary is refused in one line before any model loads."""
+    out = tmp_path / "run"
+    args = [*FAST, "--steps", 3, "--teacher", tiny_model, "--distill-coef", 0.5, "--out-dir", out]
+    result = torchrun(2, "--learners", 1, *args)
+    assert result.returncode == 0, result.stdout[-5000:]
+    kl = [r["teacher_kl"] for r in rows(out) if "teacher_kl" in r]
+    assert len(kl) == 3 and abs(kl[0]) < 1e-6 and abs(kl[2]) > 1e-4, kl
+    other = tmp_path / "other"  # the same model with two token ids swapped
+    shutil.copytree(tiny_model, other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    argv = ["--model", tiny_model, "--teacher", str(other), "--out-dir", str(tmp_path / "refused")]
+    with pytest.raises(SystemExit):
+        resolve(parse_config(argv), world_size=2, has_gpu=False)
+    assert capsys.readouterr().err.count("its tokenizer is not the policy's") == 1
 
 
 def test_plot_from_metrics(tmp_path):

@@ -6,7 +6,7 @@ import torch
 
 def reinforce(logp, sampler_logp, advantages, mask):
     """Plain REINFORCE with group advantages: -A log pi per token, no ratio."""
-    per_token = -advantages[:, None] * logp  # [B, T]
+    per_token = -advantages * logp  # [B, T]
     return per_token, {"ratio_mean": (torch.exp(logp - sampler_logp).detach() * mask).sum()}
 
 
@@ -27,7 +27,7 @@ def slow_clip(logp, sampler_logp, advantages, mask, *, epsilon=0.2, epsilon_high
 
 def scaled_reinforce(logp, sampler_logp, advantages, mask, *, scale=1.0):
     """REINFORCE times a parameter of its own, set with --objective-args scale=2."""
-    return -scale * advantages[:, None] * logp, {}
+    return -scale * advantages * logp, {}
 
 
 scaled_reinforce.check = lambda scale: None if scale > 0 else "scale must be > 0"
