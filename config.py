@@ -69,7 +69,7 @@ class Config:
     max_tokens_per_microbatch: int | None = None  # padded tokens per micro-batch; None: max(4096, one sequence)
     logprob_chunk: int = 1024  # positions per output-projection chunk in the log-probs; 0: the whole [T, V] at once
     gradient_checkpointing: bool = False  # recompute blocks in the backward: 1/15 the activations, 1/3 more compute
-    dtype: str | None = None  # compute dtype: bfloat16 | float32; None: bf16 where the hardware has it (precision)
+    dtype: str | None = None  # compute dtype: bfloat16 | float32 | float16 (with a loss scaler); None: bf16 where the hardware has it (precision)
     lora_rank: int = 0  # > 0: train LoRA adapters of this rank on --lora-targets (the base stays frozen)
     lora_alpha: float | None = None  # adapter scale alpha / rank; None: 2 x rank
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # linear layers given adapters
@@ -122,7 +122,7 @@ MODEL_DEFAULTS = {
 # cap of 2 (Yao et al., 2025), IcePop's [0.5, 5] (Ling team, 2025), and SkyRL's advice of
 # about 1 +- 0.01 for a sequence's geometric mean.
 MISMATCH_BANDS = {"none": (None, None), "tis": (None, 2.0), "mask": (0.5, 5.0), "seq-mask": (0.99, 1.01)}
-DTYPES = ("bfloat16", "float32")
+DTYPES = ("bfloat16", "float32", "float16")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALES = ("group", "batch", "none")
 
@@ -195,7 +195,9 @@ def precision(dtype, has_gpu, cpu_bf16):
     float32. From it: FSDP2 keeps float32 master weights and AdamW state, computes in it
     and reduces gradients in float32; vLLM runs in it; each parameter travels in the
     dtype the engine keeps it in (comm.wire_dtype); log-probs and the loss are float32
-    always (learner.token_logprobs)."""
+    always (learner.token_logprobs). float16 is only ever asked for: its 3 more mantissa
+    bits shrink the sampler/learner mismatch (Qi et al., 2025), but its 5 exponent bits
+    need a loss scaler (learner.Learner) and it is slow where the hardware lacks it."""
     if dtype is None:
         return "bfloat16" if has_gpu or cpu_bf16 else "float32"
     return dtype

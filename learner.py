@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -289,6 +290,10 @@ class Learner:
         # must be summed; FSDP averages them, so each backward is scaled by the count.
         self.grad_scale = mesh.size()
         self.optimizer = torch.optim.AdamW(self.trainable, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+        # float16's 5 exponent bits flush small gradients to zero in the backward: the loss
+        # is scaled up first, the float32 gradients unscaled before clipping, and the
+        # scale halves after a step whose gradients overflowed (that step is skipped).
+        self.scaler = ShardedGradScaler(device=device.type) if compute_dtype == torch.float16 else None
         # A linear warm-up: Adam's first, bias-corrected steps move every weight by a
         # full lr, which is enough to wreck a small policy.
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -398,7 +403,8 @@ class Learner:
                 with torch.no_grad():
                     teacher_logp = self.token_logprobs(self.teacher, ids, attention, temperature, entropy=False)[0]
             loss, stats = loss_fn(logp, sampler_logp, advantages, mask, ref_logp, teacher_logp)
-            (loss * self.grad_scale).backward()
+            scaled = loss * self.grad_scale
+            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             # Synchronous sampling used the weights the learner holds before its update,
             # so any gap is numerical mismatch between the two engines (or a broken
             # weight sync); one step ahead, it also holds that step's policy change.
@@ -413,11 +419,15 @@ class Learner:
     def clip_grad_and_step(self, max_grad_norm):
         """Clip to max_grad_norm and step. Every learner sees the same global norm, so a
         non-finite norm skips the step on all of them alike. Returns the norm."""
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_grad_norm)
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         if torch.isfinite(norm):
             self.optimizer.step()
             self.schedule.step()
+        if self.scaler:
+            self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
@@ -439,7 +449,8 @@ class Learner:
         """The training state with torch.distributed.checkpoint: each learner writes its
         own shards. Returns the LR schedule's state, which is small and the same everywhere."""
         dcp.save(self.train_state(), checkpoint_id=path)
-        return self.schedule.state_dict()
+        schedule = self.schedule.state_dict()
+        return {**schedule, "grad_scaler": self.scaler.state_dict()} if self.scaler else schedule
 
     def load_state(self, path, schedule):
         state = self.train_state()
@@ -447,6 +458,9 @@ class Learner:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if "reference" in state:
             set_model_state_dict(self.reference, state["reference"])
+        schedule = dict(schedule)
+        if "grad_scaler" in schedule:
+            self.scaler.load_state_dict(schedule.pop("grad_scaler"))
         self.schedule.load_state_dict(schedule)
 
     def save(self, path, tokenizer=None):
