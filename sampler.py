@@ -53,7 +53,7 @@ def request_seed(*key):
 
 
 class Sampler:
-    def __init__(self, model, max_model_len, seed, dtype, gpu_memory_utilization=0.3, kv_cache_gb=1.0):
+    def __init__(self, model, max_model_len, seed, dtype, gpu_memory_utilization=0.3, kv_cache_gb=1.0, head_dtype=None):
         on_gpu = torch.cuda.is_available()
         allow_qwen3_5_without_torchvision(model)  # on any device: it acts only where torchvision fails
         memory = (
@@ -81,6 +81,8 @@ class Sampler:
             # Text only: a composite checkpoint's vision tower is neither built nor loaded.
             language_model_only=True,
             use_tqdm_on_load=False,
+            # The output projection in another dtype (benchmarks/mismatch.py measures float32's).
+            hf_overrides={"head_dtype": head_dtype} if head_dtype else None,
             **memory,
             **chunking,
         )
