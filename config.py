@@ -80,9 +80,7 @@ class Config:
     timeout_minutes: float = 30.0  # every process group's timeout: how long a rank waits for a stuck peer
     # ---- rewards
     # ---- on-policy distillation (grpo.policy_loss)
-    teacher: str = (
-        ""  # a teacher model (folder or hub name, the policy's tokenizer): its per-token reverse KL joins the advantage
-    )
+    teacher: str = ""  # a teacher (folder or hub name, same tokenizer): its per-token reverse KL joins the advantage
     distill_coef: float = 1.0  # weight of the teacher's per-token term; --rewards accuracy=0 distils alone
     reward_timeout: float = 10.0  # seconds per user-reward call; a slower call scores 0 and is counted
     reward_workers: int = 1  # processes running user rewards (built-ins run in the sampler)
