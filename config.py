@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import checkpoint
 from comm import placement
 from data import dataset_error
+from episodes import load_env
 from evals import accuracy_reward
 from models import is_hybrid
 from rewards import parse_reward_spec
@@ -33,13 +34,15 @@ class Config:
     split: str = "train"  # the dataset's split to train on
     prompt_field: str = "question"  # dataset column with the prompt: the user message's text, or chat messages
     messages_field: str = "messages"  # column of chat messages [{role, content}]; where a row has it, the prompt
+    env: str = ""  # an environment for episodes of several turns: module:function (episodes.py); empty: one turn
+    max_turns: int = 1  # assistant turns per episode at most; > 1 needs --env
     rewards: str = "accuracy,format"  # weighted sum: 'accuracy=1,format=0.5,my.module:fn=2'; fn(completion, record)
     # ---- the step
     learners: int = 1  # ranks 0..learners-1 train; the other ranks sample
     steps: int | None = None  # optimizer steps; None: per model
     prompts_per_step: int = 64  # prompts per step, over all samplers
     group_size: int | None = None  # completions per prompt (G); None: per model
-    max_new_tokens: int | None = None  # tokens per completion at most; None: per model
+    max_new_tokens: int | None = None  # tokens per completion (an episode's, both sides') at most; None: per model
     max_prompt_len: int = 512  # longer prompts are dropped (and counted)
     temperature: float = 1.0  # sampling temperature; the log-probs are those of the tempered policy
     max_staleness: int = 1  # 1: sample step k+1 while step k trains (the ratio corrects the lag); 0: on-policy
@@ -239,6 +242,7 @@ def resolve(cfg, world_size, has_gpu, cpu_bf16=False):
         ("objective", lambda: bind_objective(cfg)),
         ("rewards", lambda: parse_reward_spec(cfg.rewards)),
         ("eval-samples", lambda: answers_read(cfg)),
+        ("env", lambda: cfg.env and load_env(cfg.env)),
     ]:
         try:
             check()
@@ -346,6 +350,11 @@ def rules(cfg, world_size, has_gpu):
         f"--max-reward-errors is a fraction in [0, 1], got {cfg.max_reward_errors}",
     )
     yield bool(cfg.prompt_field), "--prompt-field must name a dataset column"
+    yield cfg.max_turns >= 1, f"--max-turns must be at least 1, got {cfg.max_turns}"
+    yield (
+        bool(cfg.env) == (cfg.max_turns > 1),
+        "--env and --max-turns go together: an environment needs --max-turns 2 or more, and more turns need --env",
+    )
     yield cfg.eval_samples >= 1, f"--eval-samples must be at least 1, got {cfg.eval_samples}"
     yield (
         cfg.eval_temperature > 0 or cfg.eval_samples == 1,

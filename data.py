@@ -186,7 +186,7 @@ def build_prompts(
             dropped += 1
             continue
         prompt = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
-        out.append({**r, "prompt": prompt, "prompt_ids": list(ids)})
+        out.append({**r, "prompt": prompt, "prompt_ids": list(ids), "prompt_messages": messages})
     if dropped:
         warn(f"{source}: dropped {dropped} prompts longer than {max_prompt_len} tokens")
     if not out:

@@ -53,16 +53,15 @@ def accuracy_reward(reward_fns):
     return next(((name, fn) for name, fn, _ in reward_fns if hasattr(fn, "answer")), None)
 
 
-def evaluate(engine, eval_prompts, share, cfg, reward_fns, step):
-    """This sampler's share of the held-out prompts (their indices): sums over prompts of
+def evaluate(episodes, eval_prompts, share, cfg, reward_fns, step):
+    """This sampler's share of the held-out prompts (their indices), run as episodes (the
+    sampler's `episodes`: one turn, or the environment's): sums over prompts of
     each reward's mean over its samples, of the length, and of pass@k and maj@n when
     there are several samples, so that the learner can add up the samplers' shares; and
     every sample, for evals/."""
     n, prompts = cfg.eval_samples, [eval_prompts[i] for i in share]
-    completions = engine.sample(
-        [p["prompt_ids"] for p in prompts], n, cfg.max_new_tokens, cfg.eval_temperature, (cfg.seed, "eval")
-    )
-    records = [prompts[i // n] for i in range(len(completions))]
+    completions, _ = episodes(prompts, n, cfg.eval_temperature, (cfg.seed, "eval"))
+    records = [{**prompts[i // n], "turns": c["turns"]} for i, c in enumerate(completions)]
     texts = [c["text"] for c in completions]
     totals, parts, _ = score_batch(texts, records, reward_fns, step, cfg.reward_timeout, cfg.reward_workers)
     out = {"n": len(prompts), "length": sum(len(c["token_ids"]) for c in completions) / n, "reward": sum(totals) / n}
@@ -81,6 +80,7 @@ def evaluate(engine, eval_prompts, share, cfg, reward_fns, step):
     out["samples"] = [
         {"index": share[i // n], "sample": i % n, "prompt": records[i]["prompt"], "completion": t}
         | {"answer": None if a is None else str(a), "reward": r, **p}
+        | ({"turns": records[i]["turns"]} if cfg.env else {})
         for i, (t, a, r, p) in enumerate(zip(texts, answers, totals, parts))
     ]
     return out

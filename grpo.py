@@ -50,6 +50,11 @@ class Rollout:
     reward: float = 0.0
     parts: dict = field(default_factory=dict)  # each reward's unweighted value
     advantage: float = 0.0
+    model_mask: list | None = None  # per token_ids: 1 drawn by the model, 0 the environment's (episodes.py)
+    turns: list | None = None  # the conversation as chat messages, when the sampler kept it
+
+    def model_tokens(self):
+        return len(self.token_ids) if self.model_mask is None else sum(self.model_mask)
 
 
 def group_advantages(rewards, group_size, scale="group", eps=1e-4):
@@ -304,7 +309,7 @@ def train_step(cfg, learner, rollouts, rank, stop=None, objective=None):
         for r in range(cfg.learners)
     ]
     mine = packs[rank] + [[]] * (max(1, max(map(len, packs))) - len(packs[rank]))
-    step_counts = {"num_sequences": max(1, len(batch)), "num_tokens": max(1, sum(len(c.token_ids) for c in batch))}
+    step_counts = {"num_sequences": max(1, len(batch)), "num_tokens": max(1, sum(c.model_tokens() for c in batch))}
 
     def loss_fn(logp, sampler_logp, advantages, mask, ref_logp, teacher_logp):
         return policy_loss(

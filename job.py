@@ -22,6 +22,7 @@ a sampler answers {"stopped"} in place of its report; learners drop their step b
 micro-batches; either way learner 0 checkpoints the last complete step and sends stop (1)
 at the next go/stop flag, which every rank then meets (checkpoint.py)."""
 
+import atexit
 import json
 import math
 import os
@@ -55,10 +56,11 @@ from comm import (
 )
 from config import check_placement, cpu_has_bf16, fail, hub_model_error, parse_flags, resolve
 from data import load_prompts, shard, step_indices
+from episodes import check_env_failures, load_env, run_episodes
 from evals import evaluate, write_samples
 from grpo import Rollout, bind_objective, train_step
 from models import text_to_checkpoint, weight_plan
-from rewards import check_failures, parse_reward_spec, score_batch
+from rewards import RewardPool, check_failures, parse_reward_spec, score_batch
 from tiny import build_tiny_model, tiny_model_dir
 
 
@@ -109,6 +111,16 @@ def run_sampler(cfg, path, index, num_samplers, weight_pg, rollout_pg, device, w
         names = text_to_checkpoint([n for n, _ in weight_plan(path)], stored)
         base = {n: stored[c] for n, c in names.items() if c in stored}
 
+    # Episodes: one turn, or several with the environment, whose calls run in workers of
+    # their own (killed at --reward-timeout, as user rewards are).
+    env = load_env(cfg.env) if cfg.env else None
+    env_pool = RewardPool([cfg.env], cfg.reward_workers, raw=True) if env else None
+    if env_pool:
+        atexit.register(env_pool.close)
+
+    def episodes(batch, n, temperature, key):
+        return run_episodes(engine, batch, n, cfg, temperature, key, tokenizer, env, env_pool)
+
     def send(report):
         """This sampler's part of an exchange. A signal that cut a sampler's work short
         (its report is {"stopped": True}) ends the run at this exchange for every rank:
@@ -129,7 +141,7 @@ def run_sampler(cfg, path, index, num_samplers, weight_pg, rollout_pg, device, w
             try:  # a collective never runs inside abortable(): all ranks must join it or none
                 with checkpoint.abortable():
                     share = range(index, len(eval_prompts), num_samplers)
-                    result = {"eval": evaluate(engine, eval_prompts, share, cfg, reward_fns, step)}
+                    result = {"eval": evaluate(episodes, eval_prompts, share, cfg, reward_fns, step)}
             except checkpoint.Preempted:
                 result = {"stopped": True}
             send(result)
@@ -152,23 +164,25 @@ def run_sampler(cfg, path, index, num_samplers, weight_pg, rollout_pg, device, w
             # A stop signal ends this at once, mid-request or mid-reward: the step is
             # dropped and redone on --resume, where a long step would outlast the grace.
             with checkpoint.abortable():
-                completions = engine.sample(
-                    [p["prompt_ids"] for p in batch], cfg.group_size, cfg.max_new_tokens, cfg.temperature, key
-                )
+                completions, env_counts = episodes(batch, cfg.group_size, cfg.temperature, key)
                 rollouts = [Rollout(**c) for c in completions]
                 t2 = time.time()
-                records = [batch[i // cfg.group_size] for i in range(len(rollouts))]
+                # Rewards see the whole episode; the completion they score is its last answer.
+                records = [{**batch[i // cfg.group_size], "turns": c.turns} for i, c in enumerate(rollouts)]
                 totals, parts, counts = score_batch(
                     [c.text for c in rollouts], records, reward_fns, step, cfg.reward_timeout, cfg.reward_workers
                 )
                 # A broken reward must not train the model on zeros for hours: past the
                 # fraction, this sampler stops, and with it the job.
                 check_failures(counts, cfg.max_reward_errors, step)
+                check_env_failures(env_counts, len(rollouts), cfg.max_reward_errors, step)
         except checkpoint.Preempted:
             send({"stopped": True})  # and exits
         for c, total, p in zip(rollouts, totals, parts):
             c.reward, c.parts = total, p
         report = {"rollouts": rollouts, "weights_step": weights_step, "reward_counts": counts, "sample_s": t2 - t1}
+        if cfg.env:
+            report["env_counts"] = env_counts
         report.update(reward_s=time.time() - t2, peak_memory_mb=metrics.peak_memory_mb(device))
         send(report)
         if not syncs_before_sampling(cfg, step, first):
@@ -312,6 +326,8 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
                     sample = {"step": step, "text": c.text, "reward": c.reward, **c.parts, "truncated": c.truncated}
                     # the ids as trained: a reader can check them against the tokenizer
                     sample.update(prompt_ids=c.prompt_ids, token_ids=c.token_ids)
+                    if cfg.env:  # the whole transcript, and which ids the model drew
+                        sample.update(turns=c.turns, model_mask=c.model_mask)
                     samples_log.write(json.dumps(sample) + "\n")
                 samples_log.flush()
             bar.update()

@@ -313,8 +313,9 @@ class Learner:
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
 
     def collate(self, rollouts):
-        """Right-padded prompt+completion ids, with the completion tokens' mask, sampler
-        log-probs and advantages aligned to the predicted positions (t predicts t+1)."""
+        """Right-padded prompt+completion ids, with the mask of the completion's model
+        tokens (an environment's tokens in an episode carry no loss), the sampler's
+        log-probs and the advantages aligned to the predicted positions (t predicts t+1)."""
         width = max(len(r.prompt_ids) + len(r.token_ids) for r in rollouts)
         ids = torch.full((len(rollouts), width), self.pad_id, dtype=torch.long)  # [B, T]
         # From lengths, not from pad ids: a sampled completion may contain the pad token.
@@ -325,7 +326,7 @@ class Learner:
             p, c = len(r.prompt_ids), len(r.token_ids)
             ids[i, : p + c] = torch.tensor(r.prompt_ids + r.token_ids)
             attention[i, : p + c] = 1
-            mask[i, p - 1 : p + c - 1] = 1
+            mask[i, p - 1 : p + c - 1] = 1 if r.model_mask is None else torch.tensor(r.model_mask, dtype=mask.dtype)
             sampler_logp[i, p - 1 : p + c - 1] = torch.tensor(r.sampler_logprobs)
         advantages = torch.tensor([r.advantage for r in rollouts], dtype=torch.float32)  # [B]
         return [x.to(self.device) for x in (ids, attention, mask, sampler_logp, advantages)]

@@ -104,7 +104,7 @@ def step_metrics(step, rollouts, reports, sums, token_sums, maxima, grad_norm, l
         "groups_uniform": int(sums["groups_uniform"]),
         "groups_dropped": int(sums["groups_dropped"]),
         "sequences_trained": int(sums["sequences_trained"]),
-        "tokens_sampled": int(lengths.sum()),
+        "tokens_sampled": sum(c.model_tokens() for c in rollouts),
         "tokens_trained": int(sums["tokens"]),
         "padded_frac": sums["padding"] / max(1.0, sums["positions"]),
         "staleness": step - min(r["weights_step"] for r in reports),
@@ -115,6 +115,23 @@ def step_metrics(step, rollouts, reports, sums, token_sums, maxima, grad_norm, l
         "reward_s": max(r["reward_s"] for r in reports),
         "wait_s": wait_s,
         "train_s": train_s,
+        **episode_metrics(rollouts, reports),
+    }
+
+
+def episode_metrics(rollouts, reports):
+    """With an environment: assistant turns per episode, and the environment's errors,
+    timeouts and seconds (the slowest sampler's)."""
+    if not all("env_counts" in r for r in reports):
+        return {}
+    turns = [sum(m["role"] == "assistant" for m in c.turns) for c in rollouts]
+    counts = [r["env_counts"] for r in reports]
+    return {
+        "turns_mean": sum(turns) / len(turns),
+        "turns_max": max(turns),
+        "env_errors": sum(c["env_errors"] for c in counts),
+        "env_timeouts": sum(c["env_timeouts"] for c in counts),
+        "env_s": max(c["env_s"] for c in counts),
     }
 
 

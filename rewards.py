@@ -119,13 +119,16 @@ def check_failures(counts, max_fraction, step):
 # (fork+exec, so nothing of vLLM's threads or of the caller's __main__ comes along); it
 # takes one call at a time over its stdin and answers (value, traceback or None, seconds).
 class RewardPool:
-    def __init__(self, names, workers, start_timeout=120.0):
+    def __init__(self, names, workers, start_timeout=120.0, raw=False):
+        """raw: each call's value comes back as the function returned it (an environment's
+        message), not as a float (a reward)."""
         self.spec, self.start_timeout, self.procs = ",".join(names), start_timeout, [None] * workers
+        self.raw = raw
 
     def _spawn(self):
         path = [p or os.getcwd() for p in sys.path]  # the caller's imports resolve alike in the worker
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-        command = [sys.executable, os.path.abspath(__file__), self.spec]
+        command = [sys.executable, os.path.abspath(__file__), self.spec, *(["raw"] if self.raw else [])]
         proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         try:
             ready = select.select([proc.stdout], [], [], self.start_timeout)[0] and pickle.load(proc.stdout) == "ready"
@@ -146,7 +149,7 @@ class RewardPool:
         return status
 
     def run(self, calls, timeout):
-        """[(value, error)] for calls [(reward index, completion, record)], error None, a
+        """[(value, error)] for calls [(function index, first, second argument)], error None, a
         traceback or TIMEOUT. Each worker has one call in flight; one past its deadline is killed."""
         results, todo, busy = [None] * len(calls), list(range(len(calls)))[::-1], {}  # busy: worker -> (call, sent at)
         while todo or busy:
@@ -186,7 +189,7 @@ class RewardPool:
                 self._kill(w)
 
 
-def _serve(spec):
+def _serve(spec, raw=False):
     """A worker's loop: load the rewards, then answer calls until stdin closes."""
     try:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the caller, even mid-call
@@ -207,7 +210,8 @@ def _serve(spec):
             return
         start = time.perf_counter()
         try:
-            reply = (float(fns[k](completion, record)), None)
+            value = fns[k](completion, record)
+            reply = (value if raw else float(value), None)
         except Exception:
             reply = (0.0, traceback.format_exc())
         pickle.dump((*reply, time.perf_counter() - start), out)
@@ -215,4 +219,4 @@ def _serve(spec):
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1])
+    _serve(sys.argv[1], raw=sys.argv[2:] == ["raw"])

@@ -103,10 +103,12 @@ class Sampler:
     def sample(self, prompt_ids, n, max_tokens, temperature, key):
         """n completions per prompt, in prompt order, each prompt's n contiguous. Request i
         is seeded by request_seed(*key, i), so that the samples are a function of the key
-        and the requests alone, whatever else the engine runs beside them."""
+        and the requests alone, whatever else the engine runs beside them. max_tokens: one
+        for all, or one per prompt (an episode's later turns have budgets of their own)."""
+        budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompt_ids)
         params = [
-            SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, logprobs=0, seed=request_seed(*key, i))
-            for i in range(len(prompt_ids))
+            SamplingParams(n=n, max_tokens=m, temperature=temperature, logprobs=0, seed=request_seed(*key, i))
+            for i, m in enumerate(budgets)
         ]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
         completions = []

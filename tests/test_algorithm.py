@@ -472,7 +472,19 @@ def test_one_step_is_invariant_to_learners_and_micro_batches(tiny_model, tmp_pat
         assert result.returncode == 0, result.stderr[-4000:]
     initial = load_file(os.path.join(tiny_model, "model.safetensors"))
     names = sorted({os.path.basename(f).split("-")[0] for f in glob.glob(str(tmp_path / "*.pt"))})
-    assert names == ["bnpo", "cispo", "dapo", "dr_grpo", "grpo", "gspo", "icepop", "kl_tis", "lora", "sapo", "seq_mask"]
+    assert names == sorted(
+        ["bnpo", "cispo", "dapo", "dr_grpo", "grpo", "gspo", "icepop", "kl_tis", "lora", "sapo", "seq_mask"]
+        + ["episodes", "episodes_env0"]
+    )
+    # the environment's ids carry no loss: whatever log-probs they hold, the same step
+    same = (
+        torch.load(tmp_path / "episodes-seq1-L2.pt")["state"],
+        torch.load(tmp_path / "episodes_env0-seq1-L2.pt")["state"],
+    )
+    assert all(torch.equal(same[0][k], same[1][k]) for k in same[0])
+    masked = torch.load(tmp_path / "episodes-seq1-L1.pt")["sums"]
+    plain = torch.load(tmp_path / "grpo-seq1-L1.pt")["sums"]
+    assert 0 < masked["tokens"] < plain["tokens"]  # the counts leave the environment's ids out
     for name in ("icepop", "seq_mask"):  # the masks drop some tokens (on one learner, its sums are the step's)
         sums = torch.load(tmp_path / f"{name}-seq1-L1.pt")["sums"]
         assert 0 < sums["mismatch_masked_tokens"] < sums["tokens"], sums

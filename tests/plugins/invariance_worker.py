@@ -32,7 +32,22 @@ CONFIGS = {
     "cispo": {"objective": "cispo", "epsilon_high": 2.0, "loss_type": "bnpo"},
     "sapo": {"objective": "sapo", "importance": "sequence"},
     "lora": {"lora_rank": 4, "beta": 0.1},  # the KL reference is the adapters switched off
+    # Episodes: environment ids inside the completions (model_mask 0) with log-probs that
+    # no sampler would give (+5): they carry no loss, so "episodes_env0", the same
+    # rollouts with 0 there, must step the same.
+    "episodes": {"loss_type": "dapo", "beta": 0.1, "env_logprob": 5.0},
+    "episodes_env0": {"loss_type": "dapo", "beta": 0.1, "env_logprob": 0.0},
 }
+
+
+def with_environment(rollouts, env_logprob):
+    """Each completion of 4 or more ids gets its middle third marked as the environment's."""
+    for c in rollouts:
+        n = len(c.token_ids)
+        c.model_mask = [0 if n >= 4 and n // 3 <= t < 2 * n // 3 else 1 for t in range(n)]
+        c.sampler_logprobs = [lp if m else env_logprob for lp, m in zip(c.sampler_logprobs, c.model_mask)]
+    return rollouts
+
 
 # Micro-batches of 1, 2 or all sequences, or packed to a token budget (sequences here
 # are 4 to 22 tokens long).
@@ -73,6 +88,8 @@ def main():
     mesh = init_device_mesh("cpu", (world,))
     rollouts = fixed_rollouts(vocab=259)
     for name, overrides in CONFIGS.items():
+        overrides = dict(overrides)
+        env_logprob = overrides.pop("env_logprob", None)
         for split, sizes in SPLITS.items():
             flags = {
                 "model": model_path,
@@ -96,7 +113,10 @@ def main():
             adapters = (cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets.split(",")) if cfg.lora_rank else None
             learner = Learner(model_path, mesh, torch.device("cpu"), lr=0.0, reference=cfg.beta > 0, lora=adapters)
             learner.optimizer = torch.optim.SGD([p for p in learner.model.parameters() if p.requires_grad], lr=0.5)
-            sums, token_sums, _, grad_norm = train_step(cfg, learner, copy.deepcopy(rollouts), rank)
+            batch = copy.deepcopy(rollouts)
+            if env_logprob is not None:
+                batch = with_environment(batch, env_logprob)
+            sums, token_sums, _, grad_norm = train_step(cfg, learner, batch, rank)
             state = {n: learner.full_tensor(n, torch.float32).clone() for n in learner.named_params}
             if cfg.lora_rank:  # the merged policy, in Hugging Face names: what the samplers run
                 base = {lora.base_name(n): t for n, t in state.items() if not n.endswith(("lora_A", "lora_B"))}

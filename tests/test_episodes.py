@@ -1,0 +1,150 @@
+"""Episodes of several turns (episodes.py): the environment's message is rendered alone
+and tokenized once, every turn's ids are the sampler's own, only the model's tokens
+learn, and a failing environment ends its episode, counted, never the run."""
+
+import json
+import types
+
+import pytest
+
+from conftest import FAST, rows, torchrun
+from episodes import _ids, env_message, message_ids, run_episodes
+from rewards import RewardPool
+
+
+def test_the_environment_message_is_the_templates_rendering_of_it_alone():
+    import tiny
+
+    tokenizer = tiny.build_tiny_tokenizer()
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = message_ids(tokenizer, {"role": "user", "content": "Check: 2+3?"}, end)
+    # what follows the assistant's <|im_end|>: the newline the template puts between turns,
+    # the message in its role's delimiters, and the assistant's header
+    want = "\n<|im_start|>user\nCheck: 2+3?<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(ids) == want and ids == tokenizer.encode(want)
+    with pytest.raises(ValueError, match="does not end an assistant turn"):
+        message_ids(tokenizer, {"role": "user", "content": "x"}, tokenizer.convert_tokens_to_ids("#"))
+
+
+def test_an_environment_reply_becomes_a_message_or_ends_the_episode():
+    fn = types.SimpleNamespace(role="tool")
+    assert env_message(fn, None) is None
+    assert env_message(fn, "42") == {"role": "tool", "content": "42"}
+    assert env_message(object(), "hi") == {"role": "user", "content": "hi"}  # the default role
+    assert env_message(fn, {"role": "user", "content": "x", "extra": 1}) == {"role": "user", "content": "x"}
+    for bad in (42, {"role": "user"}, ["x"]):
+        with pytest.raises(ValueError):
+            env_message(fn, bad)
+
+
+def test_every_turn_is_the_samplers_own_ids_on_a_real_chat_template(smollm2):
+    """SmolLM2's byte-level BPE and ChatML template, the real engine, three turns: each
+    turn's request is the previous request plus the ids drawn plus the environment's
+    message rendered alone; the rollout is those ids, the mask marks exactly the drawn
+    ones, their log-probs are the sampler's. Rendering the finished conversation again
+    and tokenizing it gives other ids for some episode: what a re-tokenizing trainer
+    would train on."""
+    from transformers import AutoTokenizer
+
+    from data import build_prompts
+    from sampler import Sampler
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    questions = ["What is 12 times 7?", "Name a prime above 50.", "Spell 'cat' backwards.", "What is 3.5 + 1.25?"]
+    prompts = build_prompts([{"question": q} for q in questions], tokenizer, 256, "test", system_prompt=None)
+    engine = Sampler(smollm2, 512, 0, "bfloat16", kv_cache_gb=0.5)
+    calls = []
+    sample = engine.sample
+
+    def recorded(prompt_ids, n, max_tokens, temperature, key):  # the real engine, its calls written down
+        out = sample(prompt_ids, n, max_tokens, temperature, key)
+        calls.append((prompt_ids, n, out))
+        return out
+
+    engine.sample = recorded
+    cfg = types.SimpleNamespace(max_new_tokens=120, max_turns=3, reward_timeout=10.0, env="envs:follow_up")
+    import envs
+
+    pool = RewardPool([cfg.env], 1, raw=True)
+    try:
+        episodes, counts = run_episodes(engine, prompts, 2, cfg, 1.0, (0, "t"), tokenizer, envs.follow_up, pool)
+    finally:
+        pool.close()
+    assert counts["env_errors"] == counts["env_timeouts"] == 0
+    assert len(calls) == 3  # one engine call per turn, for all live episodes
+    # Each later call's requests are the live episodes', in episode order.
+    drawn = {i: [c] for i, c in enumerate(calls[0][2])}
+    for _, _, outs in calls[1:]:
+        i = 0
+        for out in outs:
+            while (e := episodes[i])["prompt_ids"] + e["token_ids"][
+                : len(out["prompt_ids"]) - len(e["prompt_ids"])
+            ] != out["prompt_ids"]:
+                i += 1
+            drawn[i].append(out)
+            i += 1
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for i, e in enumerate(episodes):
+        ids, mask, logprobs = [], [], []
+        for k, out in enumerate(drawn[i]):
+            if k:  # the environment's message before answer k, rendered alone: ChatML's delimiters
+                message = e["turns"][len(prompts[i // 2]["prompt_messages"]) + 2 * k - 1]
+                bridge = tokenizer.encode(
+                    f"\n<|im_start|>{message['role']}\n{message['content']}<|im_end|>\n<|im_start|>assistant\n"
+                )
+                assert ids[-1] == end  # the answer before it ended on its own end-of-turn token
+                ids, mask, logprobs = ids + bridge, mask + [0] * len(bridge), logprobs + [0.0] * len(bridge)
+                assert out["prompt_ids"] == e["prompt_ids"] + ids  # what the engine was asked to continue
+            ids, mask, logprobs = (
+                ids + out["token_ids"],
+                mask + [1] * len(out["token_ids"]),
+                logprobs + out["sampler_logprobs"],
+            )
+        assert e["token_ids"] == ids and e["model_mask"] == mask and e["sampler_logprobs"] == logprobs
+        assert sum(m["role"] == "assistant" for m in e["turns"]) == len(drawn[i])
+    assert sum(len(d) == 3 for d in drawn.values()) >= 4, "most episodes ran their three turns"
+    # The conversation rendered again and tokenized: other ids for some episode.
+    rerendered = [_ids(tokenizer, e["turns"], False) for e in episodes]
+    differ = [
+        r[: len(e["prompt_ids"]) + len(e["token_ids"])] != e["prompt_ids"] + e["token_ids"]
+        for r, e in zip(rerendered, episodes)
+    ]
+    print(f"re-rendering gives other ids for {sum(differ)} of {len(episodes)} episodes")
+    assert any(differ)
+
+
+def test_a_run_trains_on_whole_episodes_and_evaluates_them(tiny_model, tmp_path):
+    """Two learners, three turns: every step's episodes ran past one turn, the samples
+    hold whole transcripts with the mask of the model's ids, the tokens sampled count
+    the model's ids only, and the eval ran the same episodes."""
+    out = tmp_path / "run"
+    args = [*FAST, "--steps", 2, "--env", "tests.plugins.envs:follow_up", "--max-turns", 3, "--max-new-tokens", 120]
+    args += ["--samples-every", 1, "--eval-every", 2, "--eval-size", 8, "--out-dir", out]
+    result = torchrun(3, "--learners", 2, *args)
+    assert result.returncode == 0, result.stdout[-5000:]
+    train = [r for r in rows(out) if "loss" in r]
+    assert len(train) == 2
+    for r in train:
+        assert r["turns_mean"] > 1.5 and r["turns_max"] == 3 and r["env_errors"] == r["env_timeouts"] == 0, r
+        assert r["tokens_sampled"] < r["completion_len"] * 16  # the environment's ids are not the model's
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    for s in samples:
+        assert len(s["model_mask"]) == len(s["token_ids"]) and s["turns"][-1]["role"] == "assistant"
+        assert s["text"] == s["turns"][-1]["content"]  # rewards score the last answer
+    assert any(0 in s["model_mask"] for s in samples)
+    evals = [json.loads(line) for line in (out / "evals" / "step_2.jsonl").read_text().splitlines()]
+    assert len(evals) == 8 and any(sum(m["role"] == "assistant" for m in e["turns"]) == 3 for e in evals)
+
+
+def test_a_failing_environment_ends_its_episodes_counted_never_the_run(tiny_model, tmp_path):
+    """An environment that raises, hangs past --reward-timeout or returns a number ends
+    those episodes, each counted; the others go on; the run finishes."""
+    out = tmp_path / "run"
+    args = [*FAST, "--steps", 2, "--env", "tests.plugins.envs:flaky", "--max-turns", 3, "--max-new-tokens", 96]
+    args += ["--reward-timeout", 1, "--max-reward-errors", 1.0, "--reward-workers", 2, "--out-dir", out]
+    result = torchrun(2, "--learners", 1, *args)
+    assert result.returncode == 0, result.stdout[-5000:]
+    train = [r for r in rows(out) if "loss" in r]
+    assert sum(r["env_errors"] for r in train) > 0 and sum(r["env_timeouts"] for r in train) > 0, train
+    assert max(r["turns_max"] for r in train) == 2  # the healthy ones asked once more
+    assert "environment tests.plugins.envs:flaky failed" in (out / "logs" / "rank_1.log").read_text()
