@@ -1,4 +1,5 @@
-"""Environments for the tests (episodes.py): plain functions of (record, turns)."""
+"""Environments for the tests (episodes.py): plain functions of (record, turns). follow_up
+is README's example."""
 
 import time
 import zlib
@@ -6,7 +7,8 @@ import zlib
 
 def follow_up(record, turns):
     """Asks again after each answer, until the model has answered three times."""
-    return None if sum(m["role"] == "assistant" for m in turns) >= 3 else "Again."
+    answers = sum(m["role"] == "assistant" for m in turns)
+    return None if answers >= 3 else "Again."  # a string is a message in fn.role ("user")
 
 
 def tool_result(record, turns):
