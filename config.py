@@ -22,6 +22,7 @@ from episodes import load_env
 from evals import accuracy_reward
 from models import is_hybrid
 from rewards import parse_reward_spec
+from tools import load_tools
 
 HUB_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"  # the default with a GPU
 
@@ -35,7 +36,8 @@ class Config:
     prompt_field: str = "question"  # dataset column with the prompt: the user message's text, or chat messages
     messages_field: str = "messages"  # column of chat messages [{role, content}]; where a row has it, the prompt
     env: str = ""  # an environment for episodes of several turns: module:function (episodes.py); empty: one turn
-    max_turns: int = 1  # assistant turns per episode at most; > 1 needs --env
+    max_turns: int = 1  # assistant turns per episode at most; > 1 needs --env or --tools
+    tools: str = ""  # a ready environment: the functions the model may call, 'calculator,module:fn' (tools.py)
     rewards: str = "accuracy,format"  # weighted sum: 'accuracy=1,format=0.5,my.module:fn=2'; fn(completion, record)
     # ---- the step
     learners: int = 1  # ranks 0..learners-1 train; the other ranks sample
@@ -123,6 +125,7 @@ MODEL_DEFAULTS = {
 # cap of 2 (Yao et al., 2025), IcePop's [0.5, 5] (Ling team, 2025), and SkyRL's advice of
 # about 1 +- 0.01 for a sequence's geometric mean.
 MISMATCH_BANDS = {"none": (None, None), "tis": (None, 2.0), "mask": (0.5, 5.0), "seq-mask": (0.99, 1.01)}
+TOOLS_ENV = "tools:use_tools"  # the environment --tools runs
 DTYPES = ("bfloat16", "float32", "float16")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALES = ("group", "batch", "none")
@@ -233,6 +236,8 @@ def resolve(cfg, world_size, has_gpu, cpu_bf16=False):
     cfg.mismatch_high = high if cfg.mismatch_high is None else cfg.mismatch_high
     if cfg.eval_only:
         cfg.steps = 0
+    if cfg.tools and not cfg.env:
+        cfg.env = TOOLS_ENV
     if cfg.eval_temperature is None:
         cfg.eval_temperature = 0.0 if cfg.eval_samples == 1 else cfg.temperature
     for ok, message in rules(cfg, world_size, has_gpu):
@@ -243,6 +248,7 @@ def resolve(cfg, world_size, has_gpu, cpu_bf16=False):
         ("rewards", lambda: parse_reward_spec(cfg.rewards)),
         ("eval-samples", lambda: answers_read(cfg)),
         ("env", lambda: cfg.env and load_env(cfg.env)),
+        ("tools", lambda: cfg.tools and load_tools(cfg.tools)),
     ]:
         try:
             check()
@@ -351,9 +357,10 @@ def rules(cfg, world_size, has_gpu):
     )
     yield bool(cfg.prompt_field), "--prompt-field must name a dataset column"
     yield cfg.max_turns >= 1, f"--max-turns must be at least 1, got {cfg.max_turns}"
+    yield not cfg.tools or cfg.env == TOOLS_ENV, "--tools is an environment of its own: give --tools or --env"
     yield (
         bool(cfg.env) == (cfg.max_turns > 1),
-        "--env and --max-turns go together: an environment needs --max-turns 2 or more, and more turns need --env",
+        "--env (or --tools) and --max-turns go together: an environment needs --max-turns 2 or more, and more turns need one",
     )
     yield cfg.eval_samples >= 1, f"--eval-samples must be at least 1, got {cfg.eval_samples}"
     yield (

@@ -170,16 +170,28 @@ def build_prompts(
     system_prompt=SYSTEM_PROMPT,
     prompt_field="question",
     messages_field="messages",
+    tools=None,
 ):
     """Each record with its "prompt" (the last user message's text) and chat-template
     "prompt_ids"; the system prompt goes first unless the chat has its own. Over-long
-    prompts are dropped and counted once."""
+    prompts are dropped and counted once. tools (tools.py's functions): their schemas go
+    to the template, or into the system prompt where the template renders none."""
     out, dropped = [], 0
+    schemas = None
+    if tools:
+        from tools import schema, tools_prompt
+
+        schemas = [schema(fn) for fn in tools]
+        probe = [{"role": "user", "content": "x"}]
+        if tokenizer.apply_chat_template(probe, tools=schemas, tokenize=False) == tokenizer.apply_chat_template(
+            probe, tokenize=False
+        ):  # a template without tools
+            system_prompt, schemas = "\n\n".join(filter(None, [system_prompt, tools_prompt(tools)])), None
     for r in records:
         messages = chat(r, prompt_field, messages_field)
         if system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": system_prompt}] + messages
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, tools=schemas, add_generation_prompt=True, tokenize=True)
         if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         if len(ids) > max_prompt_len:
@@ -195,7 +207,14 @@ def build_prompts(
 
 
 def load_prompts(
-    dataset, split, tokenizer, max_prompt_len, reward_fns=None, prompt_field="question", messages_field="messages"
+    dataset,
+    split,
+    tokenizer,
+    max_prompt_len,
+    reward_fns=None,
+    prompt_field="question",
+    messages_field="messages",
+    tools=None,
 ):
     """The records to train or evaluate on: every column of each usable row, plus "prompt"
     and "prompt_ids". `reward_fns` (parse_reward_spec's; default accuracy and format)
@@ -209,7 +228,7 @@ def load_prompts(
     declared = [fn.system_prompt for _, fn, _ in reward_fns if getattr(fn, "system_prompt", None)]
     system_prompt = declared[0] if declared and dataset != "synthetic" else None
     rows = clean_rows(read_rows(dataset, split), source, reward_fns, prompt_field, messages_field)
-    return build_prompts(rows, tokenizer, max_prompt_len, source, system_prompt, prompt_field, messages_field)
+    return build_prompts(rows, tokenizer, max_prompt_len, source, system_prompt, prompt_field, messages_field, tools)
 
 
 # ---------------------------------------------------------------- deterministic order

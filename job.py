@@ -62,6 +62,7 @@ from grpo import Rollout, bind_objective, train_step
 from models import text_to_checkpoint, weight_plan
 from rewards import RewardPool, check_failures, parse_reward_spec, score_batch
 from tiny import build_tiny_model, tiny_model_dir
+from tools import load_tools
 
 
 def syncs_before_sampling(cfg, step, first):
@@ -84,6 +85,9 @@ def run_sampler(cfg, path, index, num_samplers, weight_pg, rollout_pg, device, w
     tokenizer = load_tokenizer(path)
     reward_fns = parse_reward_spec(cfg.rewards)
     fields = dict(prompt_field=cfg.prompt_field, messages_field=cfg.messages_field)
+    if cfg.tools:  # the prompts show the tools; the environment's workers read the list from GRPO_TOOLS
+        fields["tools"] = load_tools(cfg.tools)
+        os.environ["GRPO_TOOLS"] = cfg.tools
     prompts = (
         load_prompts(cfg.dataset, cfg.split, tokenizer, cfg.max_prompt_len, reward_fns, **fields) if cfg.steps else []
     )

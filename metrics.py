@@ -10,6 +10,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from tools import CALL
+
 
 def summary(cfg, metrics_path, wall_s):
     rows = [json.loads(line) for line in open(metrics_path)]
@@ -120,8 +122,9 @@ def step_metrics(step, rollouts, reports, sums, token_sums, maxima, grad_norm, l
 
 
 def episode_metrics(rollouts, reports):
-    """With an environment: assistant turns per episode, and the environment's errors,
-    timeouts and seconds (the slowest sampler's)."""
+    """With an environment: assistant turns and tool calls (tools.py's format; the last
+    answer's calls are never run) per episode, and the environment's errors, timeouts
+    and seconds (the slowest sampler's)."""
     if not all("env_counts" in r for r in reports):
         return {}
     turns = [sum(m["role"] == "assistant" for m in c.turns) for c in rollouts]
@@ -129,6 +132,10 @@ def episode_metrics(rollouts, reports):
     return {
         "turns_mean": sum(turns) / len(turns),
         "turns_max": max(turns),
+        "tool_calls_mean": sum(
+            len(CALL.findall(m["content"])) for c in rollouts for m in c.turns[:-1] if m["role"] == "assistant"
+        )
+        / len(rollouts),
         "env_errors": sum(c["env_errors"] for c in counts),
         "env_timeouts": sum(c["env_timeouts"] for c in counts),
         "env_s": max(c["env_s"] for c in counts),

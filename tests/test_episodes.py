@@ -148,3 +148,36 @@ def test_a_failing_environment_ends_its_episodes_counted_never_the_run(tiny_mode
     assert sum(r["env_errors"] for r in train) > 0 and sum(r["env_timeouts"] for r in train) > 0, train
     assert max(r["turns_max"] for r in train) == 2  # the healthy ones asked once more
     assert "environment tests.plugins.envs:flaky failed" in (out / "logs" / "rank_1.log").read_text()
+
+
+def test_episodes_resume_exactly(tiny_model, tmp_path):
+    """On-policy, a run resumed from its step-2 checkpoint samples the same episodes and
+    ends on the same weights as the run that went straight through."""
+    from safetensors.torch import load_file
+
+    env = ["--env", "tests.plugins.envs:follow_up", "--max-turns", 3, "--max-new-tokens", 120, "--learners", 2]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    result = torchrun(3, *FAST, *env, "--steps", 4, "--save-every", 2, "--out-dir", straight)
+    assert result.returncode == 0, result.stdout[-5000:]
+    result = torchrun(
+        3, *FAST, *env, "--steps", 4, "--resume", straight / "checkpoints" / "step_2", "--out-dir", resumed
+    )
+    assert result.returncode == 0, result.stdout[-5000:]
+    a, b = [r for r in rows(straight) if "loss" in r], [r for r in rows(resumed) if "loss" in r]
+    assert [r["step"] for r in b] == [2, 3]
+    assert [(r["reward_mean"], r["turns_mean"], r["tokens_sampled"]) for r in a[2:]] == [
+        (r["reward_mean"], r["turns_mean"], r["tokens_sampled"]) for r in b
+    ]
+    wa, wb = load_file(straight / "final" / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-6
+
+
+def test_episodes_one_step_ahead_with_lora_in_bf16_on_two_samplers(tiny_model, tmp_path):
+    out = tmp_path / "run"
+    args = ["--env", "tests.plugins.envs:follow_up", "--max-turns", 3, "--max-new-tokens", 120, "--learners", 1]
+    args += ["--steps", 3, "--prompts-per-step", 4, "--group-size", 4, "--eval-every", 0, "--max-staleness", 1]
+    result = torchrun(3, *args, "--lora-rank", 4, "--dtype", "bfloat16", "--out-dir", out)
+    assert result.returncode == 0, result.stdout[-5000:]
+    train = [r for r in rows(out) if "loss" in r]
+    assert len(train) == 3 and all(r["turns_max"] == 3 and r["samplers"] == 2 for r in train), train
+    assert train[-1]["staleness"] == 1
