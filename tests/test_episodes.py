@@ -181,3 +181,27 @@ def test_episodes_one_step_ahead_with_lora_in_bf16_on_two_samplers(tiny_model, t
     train = [r for r in rows(out) if "loss" in r]
     assert len(train) == 3 and all(r["turns_max"] == 3 and r["samplers"] == 2 for r in train), train
     assert train[-1]["staleness"] == 1
+
+
+def test_the_episode_flags_resolve_or_refuse_in_one_line(capsys):
+    from config import TOOLS_ENV, parse_config, resolve
+
+    def resolved(args):
+        cfg = resolve(parse_config([*args.split(), "--out-dir", "/nonexistent/run"]), world_size=2, has_gpu=False)
+        return cfg.env, cfg.max_turns
+
+    assert resolved("") == ("", 1)  # one turn, as ever
+    assert resolved("--tools calculator --max-turns 4") == (TOOLS_ENV, 4)
+    for args, why in [
+        ("--env tests.plugins.envs:follow_up", "go together"),
+        ("--max-turns 3", "go together"),
+        ("--tools calculator", "go together"),
+        ("--tools calculator --env tests.plugins.envs:follow_up --max-turns 2", "give --tools or --env"),
+        ("--env nowhere:fn --max-turns 2", "cannot load environment 'nowhere:fn'"),
+        ("--tools abacus --max-turns 2", "cannot load tool 'abacus'"),
+        ("--max-turns 0", "--max-turns must be at least 1"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            resolved(args)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and why in err, (args, err)
