@@ -24,11 +24,10 @@ and environment, after the prompt) reach --max-new-tokens, or when a turn is cut
 (truncated, as a single-turn completion is). Each turn is one engine call for all live
 episodes of a sampler, and the environment's calls of a turn run in parallel workers."""
 
-import importlib
 import time
 
 from console import warn
-from rewards import TIMEOUT
+from rewards import TIMEOUT, load_function
 
 _reported = set()
 
@@ -37,16 +36,7 @@ STAND_IN = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "
 
 def load_env(name):
     """The environment function 'module:function'. Raises ValueError."""
-    module, _, attr = name.partition(":")
-    if not attr:
-        raise ValueError(f"an environment is 'module:function', got {name!r}")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except Exception as e:  # ImportError, AttributeError, or whatever the module raises on import
-        raise ValueError(f"cannot load environment {name!r}: {e}")
-    if not callable(fn):
-        raise ValueError(f"environment {name!r} is not a function")
-    return fn
+    return load_function(name, "environment")
 
 
 def _ids(tokenizer, messages, generation_prompt):

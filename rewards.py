@@ -30,6 +30,21 @@ from gsm8k import gsm8k_accuracy, gsm8k_format
 BUILTIN = {"accuracy": gsm8k_accuracy, "format": gsm8k_format}  # the GSM8K task's (gsm8k.py)
 
 
+def load_function(name, what):
+    """The function 'module:function' names: a user's reward, environment or tool.
+    Raises ValueError, naming `what` it was to be."""
+    module, _, attr = name.partition(":")
+    if not attr:
+        raise ValueError(f"{what} {name!r} is not of the form module:function")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except Exception as e:  # ImportError, AttributeError, or whatever the module raises on import
+        raise ValueError(f"cannot load {what} {name!r}: {e}")
+    if not callable(fn):
+        raise ValueError(f"{what} {name!r} is not a function")
+    return fn
+
+
 def parse_reward_spec(spec):
     """'accuracy,format=0.5,my.module:fn=2' -> [(name, fn, weight)]. Raises ValueError
     with a readable message, so a bad flag fails before any model loads."""
@@ -43,13 +58,7 @@ def parse_reward_spec(spec):
         if name in BUILTIN:
             fn = BUILTIN[name]
         elif ":" in name:
-            module, _, attr = name.partition(":")
-            try:
-                fn = getattr(importlib.import_module(module), attr)
-            except Exception as e:  # ImportError, AttributeError, or whatever the module raises on import
-                raise ValueError(f"cannot load reward {name!r}: {e}")
-            if not callable(fn):
-                raise ValueError(f"reward {name!r} is not a function")
+            fn = load_function(name, "reward")
         else:
             raise ValueError(f"unknown reward {name!r}: use one of {sorted(BUILTIN)} or module:function")
         out.append((name, fn, weight))

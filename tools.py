@@ -14,12 +14,13 @@ The environment runs in the workers of episodes.py, which read the tool list fro
 GRPO_TOOLS variable the sampler sets (they start as `python rewards.py SPEC`)."""
 
 import ast
-import importlib
 import inspect
 import json
 import operator
 import os
 import re
+
+from rewards import load_function
 
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean"}
@@ -65,14 +66,7 @@ def load_tools(spec):
     the type hints and docstring a schema is made of."""
     tools = []
     for name in filter(None, (s.strip() for s in spec.split(","))):
-        if name in BUILTIN:
-            fn = BUILTIN[name]
-        else:
-            module, _, attr = name.partition(":")
-            try:
-                fn = getattr(importlib.import_module(module), attr)
-            except Exception as e:
-                raise ValueError(f"cannot load tool {name!r}: {e}")
+        fn = BUILTIN[name] if name in BUILTIN else load_function(name, "tool")
         schema(fn)  # raises where it has none
         tools.append(fn)
     if not tools:

@@ -198,7 +198,7 @@ def test_the_episode_flags_resolve_or_refuse_in_one_line(capsys):
         ("--tools calculator", "go together"),
         ("--tools calculator --env tests.plugins.envs:follow_up --max-turns 2", "give --tools or --env"),
         ("--env nowhere:fn --max-turns 2", "cannot load environment 'nowhere:fn'"),
-        ("--tools abacus --max-turns 2", "cannot load tool 'abacus'"),
+        ("--tools abacus --max-turns 2", "tool 'abacus' is not of the form module:function"),
         ("--max-turns 0", "--max-turns must be at least 1"),
     ]:
         with pytest.raises(SystemExit) as e:
