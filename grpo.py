@@ -309,7 +309,7 @@ def train_step(cfg, learner, rollouts, rank, stop=None, objective=None):
         for r in range(cfg.learners)
     ]
     mine = packs[rank] + [[]] * (max(1, max(map(len, packs))) - len(packs[rank]))
-    step_counts = {"num_sequences": max(1, len(batch)), "num_tokens": max(1, sum(c.model_tokens() for c in batch))}
+    counts = step_counts(batch)
 
     def loss_fn(logp, sampler_logp, advantages, mask, ref_logp, teacher_logp):
         return policy_loss(
@@ -319,7 +319,7 @@ def train_step(cfg, learner, rollouts, rank, stop=None, objective=None):
             mask,
             cfg,
             ref_logp,
-            **step_counts,
+            **counts,
             objective=objective,
             teacher_logp=teacher_logp,
         )
@@ -336,6 +336,12 @@ def train_step(cfg, learner, rollouts, rank, stop=None, objective=None):
     sums["positions"] = sum(len(mb) * max(map(sequence_length, mb)) for mb in mine if mb)
     sums["padding"] = sums["positions"] - sum(sequence_length(c) for mb in mine for c in mb)
     return sums, token_sums, maxima, grad_norm
+
+
+def step_counts(batch):
+    """The whole step's normalisers: its sequences, and the model's tokens in them (an
+    episode's environment ids are not the policy's: they carry no loss and do not count)."""
+    return {"num_sequences": max(1, len(batch)), "num_tokens": max(1, sum(c.model_tokens() for c in batch))}
 
 
 def sequence_length(c):

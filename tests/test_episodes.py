@@ -205,3 +205,20 @@ def test_the_episode_flags_resolve_or_refuse_in_one_line(capsys):
             resolved(args)
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.count("\n") == 1 and why in err, (args, err)
+
+
+def test_the_steps_token_count_is_the_models_tokens_only():
+    from grpo import Rollout, step_counts
+
+    def rollout(n, model_mask=None):
+        return Rollout(
+            prompt_ids=[1, 2],
+            token_ids=list(range(n)),
+            sampler_logprobs=[0.0] * n,
+            text="",
+            truncated=False,
+            model_mask=model_mask,
+        )
+
+    batch = [rollout(4, [1, 0, 0, 1]), rollout(3), rollout(5, [1, 1, 0, 0, 0])]
+    assert step_counts(batch) == {"num_sequences": 3, "num_tokens": 2 + 3 + 2}
