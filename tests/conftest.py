@@ -122,6 +122,17 @@ def smollm2(grpo_cache):
     return path
 
 
+def refusal(capsys, args, world_size=3):
+    """The one line (and exit status 2) a config is refused with, before any model loads."""
+    from config import parse_config, resolve
+
+    with pytest.raises(SystemExit) as e:
+        resolve(parse_config([*args.split(), "--out-dir", "/nonexistent/run"]), world_size=world_size, has_gpu=False)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, (args, err)
+    return err
+
+
 def rank0_env(world_size=3):
     """The environment torchrun gives rank 0 of a one-node job, for running grpo.py
     directly where a check must fail before any store is reached (port 1: none)."""

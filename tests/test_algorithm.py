@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from config import Config, parse_config, resolve
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, refusal
 from grpo import group_advantages, overlong_penalty, policy_loss
 
 # ---------------------------------------------------------------- independent references
@@ -432,10 +432,7 @@ def test_the_mismatch_flags_resolve_to_one_band_or_refuse_in_one_line(capsys):
         ("--mismatch mask --mismatch-low 1.1", "band must hold 1"),
         ("--mismatch seq-mask --mismatch-high 0.9", "band must hold 1"),
     ]:
-        with pytest.raises(SystemExit) as e:
-            resolved(args)
-        err = capsys.readouterr().err
-        assert e.value.code == 2 and err.count("\n") == 1 and why in err, (args, err)
+        assert why in refusal(capsys, args), args
 
 
 def test_overlong_penalty():

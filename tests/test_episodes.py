@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from conftest import FAST, rows, torchrun
+from conftest import FAST, refusal, rows, torchrun
 from episodes import _ids, env_message, message_ids, run_episodes
 from rewards import RewardPool
 
@@ -201,10 +201,7 @@ def test_the_episode_flags_resolve_or_refuse_in_one_line(capsys):
         ("--tools abacus --max-turns 2", "tool 'abacus' is not of the form module:function"),
         ("--max-turns 0", "--max-turns must be at least 1"),
     ]:
-        with pytest.raises(SystemExit) as e:
-            resolved(args)
-        err = capsys.readouterr().err
-        assert e.value.code == 2 and err.count("\n") == 1 and why in err, (args, err)
+        assert why in refusal(capsys, args, world_size=2), args
 
 
 def test_the_steps_token_count_is_the_models_tokens_only():

@@ -5,6 +5,7 @@ from fractions import Fraction
 
 import pytest
 
+from conftest import refusal
 from evals import ks, majority_correct, pass_at_k
 from gsm8k import gsm8k_accuracy
 
@@ -60,7 +61,4 @@ def test_the_eval_flags_resolve_or_refuse_in_one_line(capsys):
         ("--eval-samples 4 --eval-temperature 0", "give a temperature > 0"),
         ("--eval-samples 4 --rewards format", "need a reward in --rewards that declares the answer"),
     ]:
-        with pytest.raises(SystemExit) as e:
-            resolved(args)
-        err = capsys.readouterr().err
-        assert e.value.code == 2 and err.count("\n") == 1 and why in err, (args, err)
+        assert why in refusal(capsys, args), args
