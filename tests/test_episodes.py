@@ -219,3 +219,31 @@ def test_the_steps_token_count_is_the_models_tokens_only():
 
     batch = [rollout(4, [1, 0, 0, 1]), rollout(3), rollout(5, [1, 1, 0, 0, 0])]
     assert step_counts(batch) == {"num_sequences": 3, "num_tokens": 2 + 3 + 2}
+
+
+def test_the_real_model_runs_two_turn_episodes_end_to_end(smollm2, tmp_path):
+    """launch.sh's loop on SmolLM2 in bf16 (1 learner + 1 sampler, 2 steps): every
+    episode asked once more answers twice, the samples keep the template's delimiters
+    around the environment's message, and the model's tokens stay within bf16's mismatch."""
+    import os
+
+    from conftest import GSM8K
+
+    out = tmp_path / "run"
+    flags = ["--model", smollm2, "--dataset", os.path.join(GSM8K, "test.jsonl"), "--learners", 1, "--steps", 2]
+    flags += ["--prompts-per-step", 2, "--group-size", 2, "--max-new-tokens", 96, "--max-prompt-len", 384]
+    flags += ["--env", "tests.plugins.envs:follow_up", "--max-turns", 2, "--dtype", "bfloat16", "--eval-every", 0]
+    flags += ["--samples-every", 1, "--max-staleness", 0, "--lr", 1e-5, "--out-dir", out]
+    result = torchrun(2, *flags, timeout=900)
+    assert result.returncode == 0, result.stdout[-5000:]
+    train = [r for r in rows(out) if "loss" in r]
+    assert len(train) == 2 and all(r["turns_max"] == 2 and r["mismatch_mean"] < 0.1 for r in train), train
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    two = [s for s in samples if len(s["turns"]) > 3]
+    assert two, samples
+    for s in two:
+        env_ids = [t for t, m in zip(s["token_ids"], s["model_mask"]) if not m]
+        assert tokenizer.decode(env_ids) == "\n<|im_start|>user\nAgain.<|im_end|>\n<|im_start|>assistant\n"

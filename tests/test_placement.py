@@ -187,6 +187,20 @@ def test_the_seed_recipe_is_a_valid_eight_gpu_run():
     assert all(p.sampler_gpu_memory == pytest.approx(0.8) for p in layout(1, nproc, learners, EIGHT)[learners:])
 
 
+def test_the_calculator_recipe_is_a_valid_eight_gpu_run():
+    env, flags = recipe_flags(os.path.join(ROOT, "recipes", "gsm8k_calculator.sh"))
+    nproc, learners = int(env["NPROC"]), int(env["LEARNERS"])
+    argv = ["--learners", str(learners), *flags[:-2], "--out-dir", "/nonexistent/run"]
+    cfg = resolve(parse_config(argv), nproc, True)
+    assert (cfg.model, cfg.tools, cfg.env, cfg.max_turns) == (
+        "Qwen/Qwen2.5-1.5B-Instruct",
+        "calculator",
+        "tools:use_tools",
+        4,
+    )
+    assert cfg.max_tokens_per_microbatch >= cfg.max_prompt_len + cfg.max_new_tokens
+
+
 def test_every_group_gets_the_one_timeout(monkeypatch):
     """NCCL's own default is 10 minutes; make_group must hand it --timeout-minutes. This
     torch build has no NCCL, so a stand-in records what it is asked for; gloo is real."""
