@@ -225,12 +225,11 @@ def test_the_real_model_runs_two_turn_episodes_end_to_end(smollm2, tmp_path):
     """launch.sh's loop on SmolLM2 in bf16 (1 learner + 1 sampler, 2 steps): every
     episode asked once more answers twice, the samples keep the template's delimiters
     around the environment's message, and the model's tokens stay within bf16's mismatch."""
-    import os
-
-    from conftest import GSM8K
-
-    out = tmp_path / "run"
-    flags = ["--model", smollm2, "--dataset", os.path.join(GSM8K, "test.jsonl"), "--learners", 1, "--steps", 2]
+    out, data = tmp_path / "run", tmp_path / "yes_no.jsonl"
+    # Short questions, which the model answers well inside the budget, so it is asked again.
+    questions = [f"Is {a} + {a} = {2 * a}? Reply with one word, yes or no." for a in range(2, 6)]
+    data.write_text("".join(json.dumps({"question": q, "answer": "#### 1"}) + "\n" for q in questions))
+    flags = ["--model", smollm2, "--dataset", data, "--learners", 1, "--steps", 2]
     flags += ["--prompts-per-step", 2, "--group-size", 2, "--max-new-tokens", 96, "--max-prompt-len", 384]
     flags += ["--env", "tests.plugins.envs:follow_up", "--max-turns", 2, "--dtype", "bfloat16", "--eval-every", 0]
     flags += ["--samples-every", 1, "--max-staleness", 0, "--lr", 1e-5, "--out-dir", out]
