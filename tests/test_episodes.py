@@ -3,13 +3,15 @@ and tokenized once, every turn's ids are the sampler's own, only the model's tok
 learn, and a failing environment ends its episode, counted, never the run."""
 
 import json
+import os
+import subprocess
+import sys
 import types
 
 import pytest
 
-from conftest import FAST, refusal, rows, torchrun
-from episodes import _ids, env_message, message_ids, run_episodes
-from rewards import RewardPool
+from conftest import FAST, ROOT, refusal, rows, torchrun
+from episodes import _ids, env_message, message_ids
 
 
 def test_the_environment_message_is_the_templates_rendering_of_it_alone():
@@ -37,7 +39,7 @@ def test_an_environment_reply_becomes_a_message_or_ends_the_episode():
             env_message(fn, bad)
 
 
-def test_every_turn_is_the_samplers_own_ids_on_a_real_chat_template(smollm2):
+def test_every_turn_is_the_samplers_own_ids_on_a_real_chat_template(smollm2, tmp_path):
     """SmolLM2's byte-level BPE and ChatML template, the real engine, three turns: each
     turn's request is the previous request plus the ids drawn plus the environment's
     message rendered alone; the rollout is those ids, the mask marks exactly the drawn
@@ -46,35 +48,18 @@ def test_every_turn_is_the_samplers_own_ids_on_a_real_chat_template(smollm2):
     would train on."""
     from transformers import AutoTokenizer
 
-    from data import build_prompts
-    from sampler import Sampler
-
+    out = tmp_path / "episodes.json"
+    worker = os.path.join(ROOT, "tests", "plugins", "episodes_worker.py")
+    result = subprocess.run([sys.executable, worker, smollm2, str(out)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    run = json.loads(out.read_text())
+    prompts, calls, episodes, counts = run["prompts"], run["calls"], run["episodes"], run["counts"]
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
-    questions = ["What is 12 times 7?", "Name a prime above 50.", "Spell 'cat' backwards.", "What is 3.5 + 1.25?"]
-    prompts = build_prompts([{"question": q} for q in questions], tokenizer, 256, "test", system_prompt=None)
-    engine = Sampler(smollm2, 512, 0, "bfloat16", kv_cache_gb=0.5)
-    calls = []
-    sample = engine.sample
-
-    def recorded(prompt_ids, n, max_tokens, temperature, key):  # the real engine, its calls written down
-        out = sample(prompt_ids, n, max_tokens, temperature, key)
-        calls.append((prompt_ids, n, out))
-        return out
-
-    engine.sample = recorded
-    cfg = types.SimpleNamespace(max_new_tokens=120, max_turns=3, reward_timeout=10.0, env="envs:follow_up")
-    import envs
-
-    pool = RewardPool([cfg.env], 1, raw=True)
-    try:
-        episodes, counts = run_episodes(engine, prompts, 2, cfg, 1.0, (0, "t"), tokenizer, envs.follow_up, pool)
-    finally:
-        pool.close()
     assert counts["env_errors"] == counts["env_timeouts"] == 0
     assert len(calls) == 3  # one engine call per turn, for all live episodes
     # Each later call's requests are the live episodes', in episode order.
-    drawn = {i: [c] for i, c in enumerate(calls[0][2])}
-    for _, _, outs in calls[1:]:
+    drawn = {i: [c] for i, c in enumerate(calls[0])}
+    for outs in calls[1:]:
         i = 0
         for out in outs:
             while (e := episodes[i])["prompt_ids"] + e["token_ids"][
