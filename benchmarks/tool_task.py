@@ -1,6 +1,6 @@
 """A task the tiny model cannot do alone, learned with the calculator (issue 30's check).
 
-    python benchmarks/tool_task.py [--steps 150]
+    python benchmarks/tool_task.py [--steps 100]
 
 The task: "What is 47 times 8?", "What is 6 to the power of 5?" (plus, minus, times, to the
 power of; results of up to five digits), scored by GSM8K's accuracy on the last answer.
@@ -13,7 +13,14 @@ model is trained twice, the same steps and seeds: with `--tools calculator --max
 at each eval of both runs, and the wall times.
 
 The model's chat template renders the tools as one short system line (its own template,
-a copy of the tiny one with a tools clause), so prompts stay as short as the tiny task's."""
+a copy of the tiny one with a tools clause), so prompts stay as short as the tiny task's.
+
+Status (2026-12-05, AMX Xeon, 2 cores): not yet the demonstration issue 30 asks for. The
+300-step warm-up (73 s, loss 0.10) teaches the call with the question's operands, but not
+yet the copy of the tool's result: after "88" the model writes "#### 44". Held-out
+accuracy stayed 0.0-0.008 over the first 58 steps with the tool (1.7 s per step, 0.77
+calls per episode), where a result copied right would start at 1/4. Next: a warm-up that
+teaches the copy (more steps, or its answer turn weighted), then the two runs."""
 
 import argparse
 import json
@@ -118,7 +125,8 @@ def run(name, work, model, data, steps, extra):
     cmd = ["bash", "launch.sh", "--model", model, "--dataset", data["train"], "--eval-dataset", data["test"]]
     cmd += ["--steps", str(steps), "--eval-every", str(max(1, steps // 6)), "--eval-size", "128", "--out-dir", out]
     # the tiny model's own defaults (config.MODEL_DEFAULTS), which a folder does not get
-    cmd += ["--max-new-tokens", "160", "--group-size", "4", "--lr", "1e-3", "--beta", "0.1", *extra]
+    cmd += ["--max-new-tokens", "160", "--group-size", "4", "--lr", "1e-3", "--beta", "0.1", "--prompts-per-step", "32"]
+    cmd += extra
     start = time.time()
     result = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if result.returncode:
@@ -132,7 +140,7 @@ def run(name, work, model, data, steps, extra):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--warmup-steps", type=int, default=300)
     parser.add_argument("--work", default="")
     args = parser.parse_args()
