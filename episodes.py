@@ -24,10 +24,11 @@ and environment, after the prompt) reach --max-new-tokens, or when a turn is cut
 (truncated, as a single-turn completion is). Each turn is one engine call for all live
 episodes of a sampler, and the environment's calls of a turn run in parallel workers."""
 
+import atexit
 import time
 
 from console import warn
-from rewards import TIMEOUT, load_function
+from rewards import TIMEOUT, RewardPool, load_function
 
 _reported = set()
 
@@ -37,6 +38,16 @@ STAND_IN = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "
 def load_env(name):
     """The environment function 'module:function'. Raises ValueError."""
     return load_function(name, "environment")
+
+
+def start_env(cfg):
+    """The run's environment and the workers its calls run in, killed at --reward-timeout
+    as user rewards are, and closed at exit; (None, None) for one turn."""
+    if not cfg.env:
+        return None, None
+    pool = RewardPool([cfg.env], cfg.reward_workers, raw=True)
+    atexit.register(pool.close)
+    return load_env(cfg.env), pool
 
 
 def _ids(tokenizer, messages, generation_prompt):

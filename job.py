@@ -22,7 +22,6 @@ a sampler answers {"stopped"} in place of its report; learners drop their step b
 micro-batches; either way learner 0 checkpoints the last complete step and sends stop (1)
 at the next go/stop flag, which every rank then meets (checkpoint.py)."""
 
-import atexit
 import json
 import math
 import os
@@ -56,11 +55,11 @@ from comm import (
 )
 from config import check_placement, cpu_has_bf16, fail, hub_model_error, parse_flags, resolve
 from data import load_prompts, shard, step_indices
-from episodes import check_env_failures, load_env, run_episodes
+from episodes import check_env_failures, run_episodes, start_env
 from evals import evaluate, write_samples
 from grpo import Rollout, bind_objective, train_step
 from models import text_to_checkpoint, weight_plan
-from rewards import RewardPool, check_failures, parse_reward_spec, score_batch
+from rewards import check_failures, parse_reward_spec, score_batch
 from tiny import build_tiny_model, tiny_model_dir
 from tools import load_tools
 
@@ -115,12 +114,7 @@ def run_sampler(cfg, path, index, num_samplers, weight_pg, rollout_pg, device, w
         names = text_to_checkpoint([n for n, _ in weight_plan(path)], stored)
         base = {n: stored[c] for n, c in names.items() if c in stored}
 
-    # Episodes: one turn, or several with the environment, whose calls run in workers of
-    # their own (killed at --reward-timeout, as user rewards are).
-    env = load_env(cfg.env) if cfg.env else None
-    env_pool = RewardPool([cfg.env], cfg.reward_workers, raw=True) if env else None
-    if env_pool:
-        atexit.register(env_pool.close)
+    env, env_pool = start_env(cfg)  # episodes: one turn, or several with the environment
 
     def episodes(batch, n, temperature, key):
         return run_episodes(engine, batch, n, cfg, temperature, key, tokenizer, env, env_pool)
