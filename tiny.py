@@ -99,6 +99,19 @@ def build_tiny_model(path, seed=0, warmup_steps=300, progress=True):
 def format_warmup(model, tokenizer, steps, seed, batch_size=64, lr=3e-3, on_step=None):
     """Supervised training on completions only, with random results in the answers;
     on_step(loss) after each step."""
+
+    def row(rng):
+        record = synthetic_problem(rng, result=rng.randint(0, 9))
+        prompt = build_prompts([record], tokenizer, 10**6, "warm-up", system_prompt=None)[0]["prompt_ids"]
+        completion = tokenizer(record["answer"] + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+        return prompt + completion, [0] * len(prompt) + [1] * len(completion)
+
+    supervised(model, row, steps, seed, batch_size, lr, tokenizer.pad_token_id, on_step)
+
+
+def supervised(model, make_row, steps, seed, batch_size, lr, pad_id, on_step=None):
+    """A warm-up: `steps` AdamW steps of next-token loss on batches of make_row(rng) ->
+    (ids, learn), averaged over the tokens where learn is 1; on_step(loss) after each."""
     import torch
 
     rng = random.Random(seed)
@@ -106,23 +119,15 @@ def format_warmup(model, tokenizer, steps, seed, batch_size=64, lr=3e-3, on_step
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 30) * (1 - s / steps))
     model.train()
     for _ in range(steps):
-        rows = []
-        for _ in range(batch_size):
-            record = synthetic_problem(rng, result=rng.randint(0, 9))
-            prompt = build_prompts([record], tokenizer, 10**6, "warm-up", system_prompt=None)[0]["prompt_ids"]
-            completion = tokenizer(record["answer"] + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
-            rows.append((prompt, completion))
-        width = max(len(p) + len(c) for p, c in rows)
-        ids = torch.full((batch_size, width), tokenizer.pad_token_id)
-        labels = torch.full((batch_size, width), -100)
-        for i, (p, c) in enumerate(rows):
-            ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-            labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
-        loss = model(
-            input_ids=ids,
-            attention_mask=(labels != -100) | (torch.arange(width) < torch.tensor([len(p) for p, _ in rows])[:, None]),
-            labels=labels,
-        ).loss
+        rows = [make_row(rng) for _ in range(batch_size)]
+        width = max(len(ids) for ids, _ in rows)
+        ids = torch.full((batch_size, width), pad_id)  # [B, T]
+        labels = torch.full((batch_size, width), -100)  # [B, T]: -100 is no loss
+        for i, (row, learn) in enumerate(rows):
+            ids[i, : len(row)] = torch.tensor(row)
+            labels[i, : len(row)] = torch.tensor([t if m else -100 for t, m in zip(row, learn)])
+        attention = torch.arange(width) < torch.tensor([len(row) for row, _ in rows])[:, None]
+        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

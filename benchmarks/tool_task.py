@@ -1,26 +1,21 @@
 """A task the tiny model cannot do alone, learned with the calculator (issue 30's check).
 
-    python benchmarks/tool_task.py [--steps 100]
+    python benchmarks/tool_task.py [--steps 100] [--warmup-steps 1000]
 
 The task: "What is 47 times 8?", "What is 6 to the power of 5?" (plus, minus, times, to the
 power of; results of up to five digits), scored by GSM8K's accuracy on the last answer.
-The tiny model computes single-digit sums; these it cannot. A warm-up (supervised, on the
-completions only) teaches it the tool's format at chance: it calls the calculator on the
-question's two numbers with an operator drawn at random, then copies the tool's result
-as '#### N'. GRPO must then learn which operator each question means. The same warm-up
-model is trained twice, the same steps and seeds: with `--tools calculator --max-turns
-2`, and without the tool (one turn), where it can only guess. Printed: held-out accuracy
-at each eval of both runs, and the wall times.
+The tiny model computes single-digit sums; these it cannot. A supervised warm-up (on the
+model's tokens only) teaches both formats at chance, as the tiny model's own warm-up
+teaches the answer format: where the prompt lists the tools, a call of the calculator on
+the question's two numbers with an operator drawn at random, then the tool's result
+copied as '#### N'; where it does not, '#### N' with N another problem's result. GRPO
+must then learn which operator each question means, or, without the tool, the results.
+The same warm-up model is trained twice, the same steps and seeds: with `--tools
+calculator --max-turns 2`, and without the tool (one turn). Printed: held-out accuracy at
+each eval of both runs, and the wall times.
 
 The model's chat template renders the tools as one short system line (its own template,
-a copy of the tiny one with a tools clause), so prompts stay as short as the tiny task's.
-
-Status (2026-12-05, AMX Xeon, 2 cores): not yet the demonstration issue 30 asks for. The
-300-step warm-up (73 s, loss 0.10) teaches the call with the question's operands, but not
-yet the copy of the tool's result: after "88" the model writes "#### 44". Held-out
-accuracy stayed 0.0-0.008 over the first 58 steps with the tool (1.7 s per step, 0.77
-calls per episode), where a result copied right would start at 1/4. Next: a warm-up that
-teaches the copy (more steps, or its answer turn weighted), then the two runs."""
+a copy of the tiny one with a tools clause), so prompts stay as short as the tiny task's."""
 
 import argparse
 import json
@@ -53,51 +48,41 @@ def call(expression):
     return '<tool_call>{"name": "calculator", "arguments": {"expression": "' + expression + '"}}</tool_call>'
 
 
-def tool_warmup(model, tokenizer, steps, seed, batch_size=32, lr=2e-3):
-    """Supervised on the model's two turns only: a call on the question's numbers with a
-    random operator, and the tool's result copied after it."""
-    import torch
-
+def tool_warmup(model, tokenizer, steps, seed, batch_size=24, lr=3e-3):
+    """Two rows in three with the tools: the call with a random operator, the result
+    copied; the third without: another problem's result as the answer."""
     from data import build_prompts
     from episodes import message_ids
     from gsm8k import SYSTEM_PROMPT
+    from tiny import supervised
     from tools import calculator
 
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 30) * (1 - s / steps))
-    model.train()
-    for step in range(steps):
-        rows = []
-        for _ in range(batch_size):
-            record = problem(rng)
-            prompt = build_prompts([record], tokenizer, 10**6, "warm-up", SYSTEM_PROMPT, tools=[calculator])[0]
-            prompt = prompt["prompt_ids"]  # as the run renders it: GSM8K's instruction, the tools' line
-            expression = f"{record['a']}{rng.choice(list(WORDS))}{record['b']}"
-            first = tokenizer(call(expression), add_special_tokens=False)["input_ids"] + [end]
-            bridge = message_ids(tokenizer, {"role": "tool", "content": calculator(expression)}, end)
-            second = tokenizer(f"#### {calculator(expression)}", add_special_tokens=False)["input_ids"] + [end]
-            ids = prompt + first + bridge + second
-            learn = [0] * len(prompt) + [1] * len(first) + [0] * len(bridge) + [1] * len(second)
-            rows.append((ids, learn))
-        width = max(len(i) for i, _ in rows)
-        ids = torch.full((batch_size, width), tokenizer.pad_token_id)
-        labels = torch.full((batch_size, width), -100)
-        attention = torch.zeros(batch_size, width, dtype=torch.long)
-        for i, (row, learn) in enumerate(rows):
-            ids[i, : len(row)] = torch.tensor(row)
-            attention[i, : len(row)] = 1
-            labels[i, : len(row)] = torch.tensor([t if m else -100 for t, m in zip(row, learn)])
-        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad()
-        if step % 50 == 0 or step == steps - 1:
-            print(f"tool warm-up step {step}: loss {loss.item():.3f}", flush=True)
-    model.eval()
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"] + [end]
+
+    def row(rng):
+        record = problem(rng)
+        if rng.random() < 1 / 3:
+            prompt = build_prompts([record], tokenizer, 10**6, "warm-up", SYSTEM_PROMPT)[0]["prompt_ids"]
+            answer = ids(problem(rng)["answer"])
+            return prompt + answer, [0] * len(prompt) + [1] * len(answer)
+        prompt = build_prompts([record], tokenizer, 10**6, "warm-up", SYSTEM_PROMPT, tools=[calculator])[0]
+        prompt = prompt["prompt_ids"]  # as the run renders it: GSM8K's instruction, the tools' line
+        expression = f"{record['a']}{rng.choice(list(WORDS))}{record['b']}"
+        first = ids(call(expression))
+        bridge = message_ids(tokenizer, {"role": "tool", "content": calculator(expression)}, end)
+        second = ids(f"#### {calculator(expression)}")
+        learn = [0] * len(prompt) + [1] * len(first) + [0] * len(bridge) + [1] * len(second)
+        return prompt + first + bridge + second, learn
+
+    losses = []
+    supervised(model, row, steps, seed, batch_size, lr, tokenizer.pad_token_id, losses.append)
+    for step in range(0, steps, 100):
+        print(
+            f"tool warm-up steps {step}-{min(step + 100, steps) - 1}: mean loss {sum(losses[step : step + 100]) / len(losses[step : step + 100]):.3f}"
+        )
 
 
 def build(work, warmup_steps):
@@ -141,7 +126,7 @@ def run(name, work, model, data, steps, extra):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--warmup-steps", type=int, default=300)
+    parser.add_argument("--warmup-steps", type=int, default=1000)
     parser.add_argument("--work", default="")
     args = parser.parse_args()
     work = args.work or os.path.join(ROOT, "runs", "tool_task")
