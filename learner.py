@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 from transformers import AutoModelForCausalLM
 from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -394,18 +395,20 @@ class Learner:
                 self.optimizer.zero_grad(set_to_none=True)
                 raise Preempted
             ids, attention, mask, sampler_logp, advantages = self.collate(rollouts) if rollouts else self.idle_batch()
-            logp, entropy = self.token_logprobs(self.model, ids, attention, temperature)
-            ref_logp = None
-            if self.reference is not None:
-                with torch.no_grad(), lora_module.adapters_off(self.reference):
-                    ref_logp = self.token_logprobs(self.reference, ids, attention, temperature, entropy=False)[0]
-            teacher_logp = None
-            if self.teacher is not None:
-                with torch.no_grad():
-                    teacher_logp = self.token_logprobs(self.teacher, ids, attention, temperature, entropy=False)[0]
-            loss, stats = loss_fn(logp, sampler_logp, advantages, mask, ref_logp, teacher_logp)
+            with record_function("forward"):  # the phases benchmarks/speed.py --limit profiles
+                logp, entropy = self.token_logprobs(self.model, ids, attention, temperature)
+                ref_logp = None
+                if self.reference is not None:
+                    with torch.no_grad(), lora_module.adapters_off(self.reference):
+                        ref_logp = self.token_logprobs(self.reference, ids, attention, temperature, entropy=False)[0]
+                teacher_logp = None
+                if self.teacher is not None:
+                    with torch.no_grad():
+                        teacher_logp = self.token_logprobs(self.teacher, ids, attention, temperature, entropy=False)[0]
+                loss, stats = loss_fn(logp, sampler_logp, advantages, mask, ref_logp, teacher_logp)
             scaled = loss * self.grad_scale
-            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            with record_function("backward"):
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             # Synchronous sampling used the weights the learner holds before its update,
             # so any gap is numerical mismatch between the two engines (or a broken
             # weight sync); one step ahead, it also holds that step's policy change.
@@ -420,13 +423,14 @@ class Learner:
     def clip_grad_and_step(self, max_grad_norm):
         """Clip to max_grad_norm and step. Every learner sees the same global norm, so a
         non-finite norm skips the step on all of them alike. Returns the norm."""
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_grad_norm)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        if torch.isfinite(norm):
-            self.optimizer.step()
-            self.schedule.step()
+        with record_function("optimizer"):
+            if self.scaler:
+                self.scaler.unscale_(self.optimizer)
+            norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_grad_norm)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            if torch.isfinite(norm):
+                self.optimizer.step()
+                self.schedule.step()
         if self.scaler:
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)

@@ -108,6 +108,7 @@ def step_metrics(step, rollouts, reports, sums, token_sums, maxima, grad_norm, l
         "sequences_trained": int(sums["sequences_trained"]),
         "tokens_sampled": sum(c.model_tokens() for c in rollouts),
         "tokens_trained": int(sums["tokens"]),
+        "positions_trained": int(sums["positions"]),  # padded: what the learners computed on
         "padded_frac": sums["padding"] / max(1.0, sums["positions"]),
         "staleness": step - min(r["weights_step"] for r in reports),
         "samplers": len(reports),

@@ -12,11 +12,20 @@
 
     python benchmarks/speed.py [--steps 30] [--model PATH_OR_HUB_NAME] [other grpo.py flags]
     python benchmarks/speed.py --precision [--steps 6]
+    python benchmarks/speed.py --limit [--steps 6] [--learners 2]
 
 Without --model it runs the tiny CPU default (or the GPU default on a GPU machine).
 --precision compares bf16 with float32 on a random-init 22.8M Qwen2 (512 dims x 8 layers,
 the tiny tokenizer) at 16 prompts x 8 x 128 new tokens: step, train and sample time, in
 the same run, for 2 learners + 1 sampler and for 1 + 1.
+--limit measures the learner against the machine on that 22.8M model in the run's compute
+dtype: the FLOP/s the model's own matrix shapes reach on these cores (FLOP-weighted over
+the forward and both backward products of every Linear, 4096 rows), what one learner alone
+reaches on one thread and where its time goes (forward, backward, optimizer; matmuls,
+attention, other ops, and time outside ops, from torch's profiler), and the train phase of
+a real run (launch.sh's layout, or --learners N) as a fraction of the same cores' rate.
+Trained FLOPs: 6 x parameters x padded positions, plus attention's 12 x layers x hidden x
+width per position (the full square, as the kernels compute it).
 """
 
 import argparse
@@ -148,12 +157,149 @@ def precision_comparison(steps, extra):
     )
 
 
+def matmul_rate(model, dtype, threads, rows=4096, repeats=3):
+    """FLOP/s of the model's Linear shapes in dtype on `threads` threads: for each weight
+    [out, in], x @ W^T, the input's gradient g @ W and the weight's g^T @ x, weighted by
+    their FLOPs (all FLOPs over all seconds)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    shapes = {}
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            shapes[tuple(m.weight.shape)] = shapes.get(tuple(m.weight.shape), 0) + 1
+    flops = seconds = 0.0
+    for (out, inp), count in shapes.items():
+        x, w, g = (torch.randn(*shape).to(dtype) for shape in ((rows, inp), (out, inp), (rows, out)))
+        products = (lambda: x @ w.t(), lambda: g @ w, lambda: g.t() @ x)
+        for p in products:
+            p()
+        t = time.perf_counter()
+        for _ in range(repeats):
+            for p in products:
+                p()
+        seconds += count * (time.perf_counter() - t) / repeats
+        flops += count * 3 * 2 * rows * inp * out
+    return flops / seconds
+
+
+def train_flops(config, parameters, positions, width):
+    """6 x parameters x positions, plus attention's scores and weighted sum (forward 4 x
+    hidden x width per position and layer, backward twice that)."""
+    return 6 * parameters * positions + 12 * config.num_hidden_layers * config.hidden_size * width * positions
+
+
+def learner_alone(model_path, dtype, sequences, prompt_len, new_tokens, budget):
+    """One learner on one thread, a world of one: train_step on `sequences` rollouts of
+    prompt_len + new_tokens ids, profiled. Returns (seconds, FLOPs, {phase: s}, {kind: s})."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.profiler import ProfilerActivity, profile
+
+    from comm import free_port
+    from config import parse_config, resolve
+    from grpo import Rollout, train_step
+    from learner import Learner
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    flags = ["--model", model_path, "--beta", "0", "--group-size", "8", "--max-new-tokens", str(new_tokens)]
+    cfg = resolve(parse_config([*flags, "--max-tokens-per-microbatch", str(budget)]), 2, False, True)
+    cfg.learners, cfg.dtype = 1, dtype
+    learner = Learner(model_path, init_device_mesh("cpu", (1,)), torch.device("cpu"), lr=1e-5, compute_dtype=dtype)
+    rng = torch.Generator().manual_seed(0)
+    rollouts = [
+        Rollout(
+            prompt_ids=torch.randint(3, 250, (prompt_len,), generator=rng).tolist(),
+            token_ids=torch.randint(3, 250, (new_tokens,), generator=rng).tolist(),
+            sampler_logprobs=[-5.5] * new_tokens,
+            text="",
+            truncated=False,
+            reward=float(i % 3 == 0),
+        )
+        for i in range(sequences)
+    ]
+    train_step(cfg, learner, rollouts, 0)  # warm-up: allocator, kernels
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        train_step(cfg, learner, rollouts, 0)
+        seconds = time.perf_counter() - t
+    dist.destroy_process_group()
+    events = prof.key_averages()
+    phases = {e.key: e.cpu_time_total / 1e6 for e in events if e.key in ("forward", "backward", "optimizer")}
+    kinds = {"matmul": 0.0, "attention": 0.0, "collectives": 0.0, "other ops": 0.0}
+    for e in events:
+        if e.key in ("forward", "backward", "optimizer") or not e.key.startswith(("aten::", "c10d::", "gloo")):
+            continue
+        name = e.key.lower()
+        kind = "matmul" if any(k in name for k in ("::mm", "::addmm", "::bmm")) else "other ops"
+        kind = "attention" if any(k in name for k in ("scaled_dot_product", "softmax")) else kind
+        kind = "collectives" if any(k in name for k in ("c10d", "gloo", "all_gather", "reduce_scatter")) else kind
+        kinds[kind] += e.self_cpu_time_total / 1e6
+    kinds["outside ops (Python, framework)"] = seconds - sum(kinds.values())
+    width = prompt_len + new_tokens
+    return (
+        seconds,
+        train_flops(learner.model.config, sum(p.numel() for p in learner.trainable), sequences * width, width),
+        phases,
+        kinds,
+    )
+
+
+def limit(steps, learners, extra):
+    """The learner against the machine: matmul rate, the learner alone, a real run."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from config import cpu_has_bf16, precision
+
+    dtype_name = precision(None, False, cpu_has_bf16())
+    dtype = getattr(torch, dtype_name)
+    cores = len(os.sched_getaffinity(0))
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path = build_mid_model(os.path.join(tmp, "mid"))
+        model = AutoModelForCausalLM.from_pretrained(model_path)
+        rate1, rate_all = matmul_rate(model, dtype, 1), matmul_rate(model, dtype, cores)
+        print(
+            f"matmul rate of the model's shapes in {dtype_name}: 1 thread {rate1 / 1e9:.0f} GFLOP/s, {cores} threads {rate_all / 1e9:.0f} GFLOP/s"
+        )
+        seconds, flops, phases, kinds = learner_alone(model_path, dtype, 64, 45, 128, 4096)
+        print(
+            f"one learner alone, 1 thread, 64 x (45 + 128) positions: {seconds:.2f} s, {flops / seconds / 1e9:.0f} GFLOP/s = {flops / seconds / rate1:.2f} of 1 thread's matmul rate"
+        )
+        print("  phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+        print("  by kind (s): " + ", ".join(f"{k} {v:.2f}" for k, v in kinds.items()))
+        shapes = ["--model", model_path, "--dataset", "synthetic", "--prompts-per-step", "16", "--group-size", "8"]
+        shapes += ["--max-new-tokens", "128", "--steps", str(steps), "--beta", "0", "--dtype", dtype_name, *extra]
+        if learners:
+            os.environ.update(NPROC=str(learners + 1), LEARNERS=str(learners))
+        rows = run(os.path.join(tmp, "run"), shapes)
+    width = statistics.median(r["positions_trained"] / r["sequences_trained"] for r in rows)
+    achieved = statistics.median(
+        train_flops(model.config, sum(p.numel() for p in model.parameters()), r["positions_trained"], width)
+        / r["train_s"]
+        for r in rows
+    )
+    step, train, sample, sync = (median(rows, k) for k in ("step_s", "train_s", "sample_s", "sync_s"))
+    print(
+        f"run: step {step:.2f} s, train {train:.2f}, sample {sample:.2f}, sync {sync:.2f} (medians of {len(rows)} steps)"
+    )
+    print(
+        f"SUMMARY train phase {achieved / 1e9:.0f} GFLOP/s = {achieved / rate_all:.3f} of the {cores} cores' matmul rate ({rate_all / 1e9:.0f}) | step {step:.2f} s"
+    )
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--model", default="")
     parser.add_argument("--precision", action="store_true")
+    parser.add_argument("--limit", action="store_true")
+    parser.add_argument("--learners", type=int, default=0, help="--limit's run: N learners + 1 sampler")
     args, extra = parser.parse_known_args()
+    if args.limit:
+        return limit(args.steps if args.steps != 30 else 6, args.learners, extra)
     if args.precision:
         return precision_comparison(min(args.steps, 6), extra)
     common = ["--steps", str(args.steps), *(["--model", args.model] if args.model else []), *extra]

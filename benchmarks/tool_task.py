@@ -1,9 +1,10 @@
 """A task the tiny model cannot do alone, learned with the calculator (issue 30's check).
 
-    python benchmarks/tool_task.py [--steps 100] [--warmup-steps 1000]
+    python benchmarks/tool_task.py [--steps 160] [--warmup-steps 1000] [grpo.py flags for both runs]
 
-The task: "What is 47 times 8?", "What is 6 to the power of 5?" (plus, minus, times, to the
-power of; results of up to five digits), scored by GSM8K's accuracy on the last answer.
+The task: "What is 47 multiplied by 8?", "What is 96 divided by 8?" (a 2-digit number plus, minus,
+times or divided by a digit; results of up to three digits), scored by GSM8K's accuracy on
+the last answer.
 The tiny model computes single-digit sums; these it cannot. A supervised warm-up (on the
 model's tokens only) teaches both formats at chance, as the tiny model's own warm-up
 teaches the answer format: where the prompt lists the tools, a call of the calculator on
@@ -15,7 +16,9 @@ calculator --max-turns 2`, and without the tool (one turn). Printed: held-out ac
 each eval of both runs, and the wall times.
 
 The model's chat template renders the tools as one short system line (its own template,
-a copy of the tiny one with a tools clause), so prompts stay as short as the tiny task's."""
+a copy of the tiny one with a tools clause), so prompts stay as short as the tiny task's.
+Measured (AMX Xeon, 2 cores, 2026-12-05): warm-up 160 s; with the tool 0.195 -> 0.852 in
+160 steps (267 s; 0.828 at step 104), without it 0.031 -> 0.062 (105 s)."""
 
 import argparse
 import json
@@ -29,7 +32,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-WORDS = {"+": "plus", "-": "minus", "*": "times", "**": "to the power of"}
+# One character per operator: with "**" for a power, "*" would start the right call for
+# half the questions, and GRPO raised it for all of them before it learned which. With
+# "times", the policy settled on "-" for it as for "minus" and stayed there (0.71).
+WORDS = {"+": "plus", "-": "minus", "*": "multiplied by", "/": "divided by"}
 TEMPLATE = (
     "{% if tools %}<|im_start|>system\ntools: {% for t in tools %}{{ t['function']['name'] }}{% endfor %}<|im_end|>\n"
     "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -39,8 +45,10 @@ TEMPLATE = (
 
 def problem(rng):
     op = rng.choice(list(WORDS))
-    a, b = (rng.randint(2, 9), rng.randint(2, 5)) if op == "**" else (rng.randint(10, 99), rng.randint(2, 9))
-    value = {"+": a + b, "-": a - b, "*": a * b, "**": a**b}[op]
+    a, b = rng.randint(10, 99), rng.randint(2, 9)
+    if op == "/":
+        a = b * rng.randint(10, 99 // b)  # a whole quotient, and operands as short as the others'
+    value = {"+": a + b, "-": a - b, "*": a * b, "/": a // b}[op]
     return {"question": f"What is {a} {WORDS[op]} {b}?", "answer": f"#### {value}", "a": a, "b": b}
 
 
@@ -125,10 +133,11 @@ def run(name, work, model, data, steps, extra):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=160)
     parser.add_argument("--warmup-steps", type=int, default=1000)
     parser.add_argument("--work", default="")
-    args = parser.parse_args()
+    parser.add_argument("--warm-model", default="", help="a warmed-up model folder from an earlier run: no warm-up")
+    args, grpo_flags = parser.parse_known_args()  # the rest go to both runs
     work = args.work or os.path.join(ROOT, "runs", "tool_task")
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
@@ -139,10 +148,11 @@ def main():
         with open(data[split], "w") as f:
             f.writelines(json.dumps(problem(rng)) + "\n" for _ in range(n))
     start = time.time()
-    model = build(work, args.warmup_steps)
+    model = args.warm_model or build(work, args.warmup_steps)
     print(f"tool warm-up: {time.time() - start:.0f} s")
-    with_tool = run("with_tool", work, model, data, args.steps, ["--tools", "calculator", "--max-turns", "2"])
-    without = run("without_tool", work, model, data, args.steps, [])
+    tool = ["--tools", "calculator", "--max-turns", "2"]
+    with_tool = run("with_tool", work, model, data, args.steps, [*tool, *grpo_flags])
+    without = run("without_tool", work, model, data, args.steps, grpo_flags)
     print(
         f"SUMMARY with the tool {with_tool[0][1]:.3f} -> {with_tool[-1][1]:.3f}; without {without[0][1]:.3f} -> {without[-1][1]:.3f}"
     )

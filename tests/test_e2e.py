@@ -29,6 +29,7 @@ REQUIRED = [
     "mismatch_max",
     "staleness",
     "padded_frac",
+    "positions_trained",
     "peak_memory_mb_learner",
     "peak_memory_mb_sampler",
 ]
@@ -89,6 +90,8 @@ def test_three_ranks_train_and_sync(tiny_model, on_policy):
         assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
         assert r["samplers"] == 1 and r["tokens_sampled"] > 0 and r["staleness"] == 0
         assert 0 <= r["padded_frac"] < 0.5 and r["peak_memory_mb_learner"] > 0
+        # the unpadded positions are the trained tokens and their prompts
+        assert r["positions_trained"] * (1 - r["padded_frac"]) > r["tokens_trained"] > 0
         # Sampler log-probs of its own tokens against the learners' forward of the
         # same weights: from step 1 on this only holds if the broadcast landed.
         assert r["mismatch_max"] < 1e-4, r["mismatch_max"]
