@@ -157,7 +157,7 @@ def precision_comparison(steps, extra):
     )
 
 
-def matmul_rate(model, dtype, threads, rows=4096, repeats=3):
+def matmul_rate(model, dtype, threads, rows=4096, repeats=10):
     """FLOP/s of the model's Linear shapes in dtype on `threads` threads: for each weight
     [out, in], x @ W^T, the input's gradient g @ W and the weight's g^T @ x, weighted by
     their FLOPs (all FLOPs over all seconds)."""
@@ -205,6 +205,7 @@ def learner_alone(model_path, dtype, sequences, prompt_len, new_tokens, budget):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     flags = ["--model", model_path, "--beta", "0", "--group-size", "8", "--max-new-tokens", str(new_tokens)]
+    flags += ["--out-dir", os.path.join(os.path.dirname(model_path), "alone"), "--overwrite"]
     cfg = resolve(parse_config([*flags, "--max-tokens-per-microbatch", str(budget)]), 2, False, True)
     cfg.learners, cfg.dtype = 1, dtype
     learner = Learner(model_path, init_device_mesh("cpu", (1,)), torch.device("cpu"), lr=1e-5, compute_dtype=dtype)
