@@ -419,9 +419,11 @@ def main(argv=None):
         return
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     try:
-        place = placement(rank, local_rank, local_world, world, cfg.learners, gpus, cfg.sampler_gpu_memory)
+        cores = len(os.sched_getaffinity(0))
+        place = placement(rank, local_rank, local_world, world, cfg.learners, gpus, cfg.sampler_gpu_memory, cores)
     except ValueError as e:
         fail(str(e), every_rank=True)
+    torch.set_num_threads(place.threads or torch.get_num_threads())  # CPU-only: comm.cpu_threads
     device = torch.device("cpu")
     if place.gpu is not None:
         # Each rank sees only its own GPU, as cuda:0 (vLLM always takes cuda:0).

@@ -189,7 +189,7 @@ def train_flops(config, parameters, positions, width):
     return 6 * parameters * positions + 12 * config.num_hidden_layers * config.hidden_size * width * positions
 
 
-def learner_alone(model_path, dtype, sequences, prompt_len, new_tokens, budget):
+def learner_alone(model_path, dtype, sequences, prompt_len, new_tokens, budget, threads=1):
     """One learner on one thread, a world of one: train_step on `sequences` rollouts of
     prompt_len + new_tokens ids, profiled. Returns (seconds, FLOPs, {phase: s}, {kind: s})."""
     import torch
@@ -202,7 +202,7 @@ def learner_alone(model_path, dtype, sequences, prompt_len, new_tokens, budget):
     from grpo import Rollout, train_step
     from learner import Learner
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     flags = ["--model", model_path, "--beta", "0", "--group-size", "8", "--max-new-tokens", str(new_tokens)]
     flags += ["--out-dir", os.path.join(os.path.dirname(model_path), "alone"), "--overwrite"]
@@ -248,7 +248,7 @@ def learner_alone(model_path, dtype, sequences, prompt_len, new_tokens, budget):
     )
 
 
-def limit(steps, learners, extra):
+def limit(steps, learners, extra, budget=4096):
     """The learner against the machine: matmul rate, the learner alone, a real run."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -265,7 +265,7 @@ def limit(steps, learners, extra):
         print(
             f"matmul rate of the model's shapes in {dtype_name}: 1 thread {rate1 / 1e9:.0f} GFLOP/s, {cores} threads {rate_all / 1e9:.0f} GFLOP/s"
         )
-        seconds, flops, phases, kinds = learner_alone(model_path, dtype, 64, 45, 128, 4096)
+        seconds, flops, phases, kinds = learner_alone(model_path, dtype, 64, 45, 128, budget)
         print(
             f"one learner alone, 1 thread, 64 x (45 + 128) positions: {seconds:.2f} s, {flops / seconds / 1e9:.0f} GFLOP/s = {flops / seconds / rate1:.2f} of 1 thread's matmul rate"
         )

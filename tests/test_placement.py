@@ -122,6 +122,24 @@ def test_gpus_are_found_without_the_drivers_proc_folder(tmp_path, count, visible
     assert visible_gpus({}, absent, str(tmp_path / "absent_smi")) == []  # no driver at all
 
 
+@pytest.mark.parametrize(
+    "nnodes, nproc, learners, cores, expected",
+    [
+        (1, 3, 2, 2, [1, 1, 1]),  # the CPU default on 2 cores: torchrun's one each
+        (1, 2, 1, 2, [2, 1]),  # one learner takes both cores; the sampler is done in half a step
+        (1, 3, 2, 16, [8, 8, 5]),  # torchrun's one per rank would leave 13 of 16 cores idle
+        (1, 4, 1, 8, [8, 2, 2, 2]),
+        (2, 3, 4, 4, [1, 1, 1, 4, 1, 1]),  # node 1: one learner (rank 3), two samplers
+        (2, 2, 4, 4, [2, 2, 2, 2]),
+    ],
+)
+def test_cpu_threads_give_the_learners_every_core(nnodes, nproc, learners, cores, expected):
+    world = nnodes * nproc
+    places = [placement(r, r % nproc, nproc, world, learners, [], cores=cores) for r in range(world)]
+    assert [p.threads for p in places] == expected
+    assert all(p.threads is None for p in layout(1, 3, 2, EIGHT[:3]))  # GPUs: torchrun's setting stays
+
+
 def test_two_nodes_of_one_gpu():
     nproc, learners = default_layout(1, nnodes=2)
     assert (nproc, learners) == (1, 1)
