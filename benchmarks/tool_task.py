@@ -2,18 +2,17 @@
 
     python benchmarks/tool_task.py [--steps 160] [--warmup-steps 1000] [grpo.py flags for both runs]
 
-The task: "What is 47 multiplied by 8?", "What is 96 divided by 8?" (a 2-digit number plus, minus,
-times or divided by a digit; results of up to three digits), scored by GSM8K's accuracy on
-the last answer.
-The tiny model computes single-digit sums; these it cannot. A supervised warm-up (on the
-model's tokens only) teaches both formats at chance, as the tiny model's own warm-up
-teaches the answer format: where the prompt lists the tools, a call of the calculator on
-the question's two numbers with an operator drawn at random, then the tool's result
-copied as '#### N'; where it does not, '#### N' with N another problem's result. GRPO
-must then learn which operator each question means, or, without the tool, the results.
-The same warm-up model is trained twice, the same steps and seeds: with `--tools
-calculator --max-turns 2`, and without the tool (one turn). Printed: held-out accuracy at
-each eval of both runs, and the wall times.
+The task: "What is 47 multiplied by 8?", "What is 96 divided by 8?" (a 2-digit number
+plus, minus, multiplied by or divided by a digit; results of up to three digits), scored
+by GSM8K's accuracy on the last answer. The tiny model computes single-digit sums; these
+it cannot. A supervised warm-up (on the model's tokens only) teaches both formats at
+chance, as the tiny model's own warm-up teaches the answer format: where the prompt
+lists the tools, a call of the calculator on the question's two numbers with an operator
+drawn at random, then the tool's result copied as '#### N'; where it does not, '#### N'
+with N another problem's result. GRPO must then learn which operator each question
+means, or, without the tool, the results. The same warm-up model is trained twice, the
+same steps and seeds: with `--tools calculator --max-turns 2`, and without the tool (one
+turn). Printed: held-out accuracy at each eval of both runs, and the wall times.
 
 The model's chat template renders the tools as one short system line (its own template,
 a copy of the tiny one with a tools clause), so prompts stay as short as the tiny task's.
