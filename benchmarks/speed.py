@@ -190,8 +190,8 @@ def train_flops(config, parameters, positions, width):
 
 
 def learner_alone(model_path, dtype, sequences, prompt_len, new_tokens, budget, threads=1):
-    """One learner on one thread, a world of one: train_step on `sequences` rollouts of
-    prompt_len + new_tokens ids, profiled. Returns (seconds, FLOPs, {phase: s}, {kind: s})."""
+    """One learner on `threads` threads, a world of one: train_step on `sequences` rollouts
+    of prompt_len + new_tokens ids, packed into micro-batches of `budget` positions, profiled. Returns (seconds, FLOPs, {phase: s}, {kind: s})."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -207,7 +207,7 @@ def learner_alone(model_path, dtype, sequences, prompt_len, new_tokens, budget, 
     flags = ["--model", model_path, "--beta", "0", "--group-size", "8", "--max-new-tokens", str(new_tokens)]
     flags += ["--out-dir", os.path.join(os.path.dirname(model_path), "alone"), "--overwrite"]
     cfg = resolve(parse_config([*flags, "--max-tokens-per-microbatch", str(budget)]), 2, False, True)
-    cfg.learners, cfg.dtype = 1, dtype
+    cfg.learners = 1
     learner = Learner(model_path, init_device_mesh("cpu", (1,)), torch.device("cpu"), lr=1e-5, compute_dtype=dtype)
     rng = torch.Generator().manual_seed(0)
     rollouts = [
@@ -248,7 +248,7 @@ def learner_alone(model_path, dtype, sequences, prompt_len, new_tokens, budget, 
     )
 
 
-def limit(steps, learners, extra, budget=4096):
+def limit(steps, learners, extra):
     """The learner against the machine: matmul rate, the learner alone, a real run."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -265,7 +265,7 @@ def limit(steps, learners, extra, budget=4096):
         print(
             f"matmul rate of the model's shapes in {dtype_name}: 1 thread {rate1 / 1e9:.0f} GFLOP/s, {cores} threads {rate_all / 1e9:.0f} GFLOP/s"
         )
-        seconds, flops, phases, kinds = learner_alone(model_path, dtype, 64, 45, 128, budget)
+        seconds, flops, phases, kinds = learner_alone(model_path, dtype, 64, 45, 128, 4096)
         print(
             f"one learner alone, 1 thread, 64 x (45 + 128) positions: {seconds:.2f} s, {flops / seconds / 1e9:.0f} GFLOP/s = {flops / seconds / rate1:.2f} of 1 thread's matmul rate"
         )

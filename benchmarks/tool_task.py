@@ -78,9 +78,10 @@ def tool_warmup(model, tokenizer, steps, seed, batch_size=24, lr=3e-3):
         prompt = build_prompts([record], tokenizer, 10**6, "warm-up", SYSTEM_PROMPT, tools=[calculator])[0]
         prompt = prompt["prompt_ids"]  # as the run renders it: GSM8K's instruction, the tools' line
         expression = f"{record['a']}{rng.choice(list(WORDS))}{record['b']}"
+        result = calculator(expression)
         first = ids(call(expression))
-        bridge = message_ids(tokenizer, {"role": "tool", "content": calculator(expression)}, end)
-        second = ids(f"#### {calculator(expression)}")
+        bridge = message_ids(tokenizer, {"role": "tool", "content": result}, end)
+        second = ids(f"#### {result}")
         learn = [0] * len(prompt) + [1] * len(first) + [0] * len(bridge) + [1] * len(second)
         return prompt + first + bridge + second, learn
 
@@ -137,7 +138,9 @@ def main():
     parser.add_argument("--work", default="")
     parser.add_argument("--warm-model", default="", help="a warmed-up model folder from an earlier run: no warm-up")
     args, grpo_flags = parser.parse_known_args()  # the rest go to both runs
-    work = args.work or os.path.join(ROOT, "runs", "tool_task")
+    work = os.path.abspath(args.work or os.path.join(ROOT, "runs", "tool_task"))
+    if args.warm_model and os.path.abspath(args.warm_model).startswith(work + os.sep):
+        sys.exit(f"--warm-model {args.warm_model} lies in --work {work}, which each run empties: copy it out first")
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     rng = random.Random(1)
