@@ -79,8 +79,7 @@ def eval_due(cfg, step):
 def run_sampler(cfg, path, index, num_samplers, weight_pg, rollout_pg, device, weight_device, gpu_memory):
     from sampler import Sampler  # vLLM: heavy, and only a sampler needs it
 
-    # Data first: a bad dataset stops the job before the engine loads. Rows are checked
-    # for what the chosen rewards read.
+    # Data first: a bad dataset stops the job before the engine loads (rows checked for the rewards).
     tokenizer = load_tokenizer(path)
     reward_fns = parse_reward_spec(cfg.rewards)
     fields = dict(prompt_field=cfg.prompt_field, messages_field=cfg.messages_field)
@@ -207,6 +206,7 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         lora=adapters,
         logprob_chunk=cfg.logprob_chunk,
         teacher=cfg.teacher,
+        compile=cfg.compile,
     )
     if rank == 0:  # in the log; on the console too when it may not fit
         memory = learner.memory_line(

@@ -27,11 +27,14 @@ from checkpoint import Preempted
 from models import restore_architecture
 
 
-def load_sharded(model_path, mesh, device, compute_dtype, gradient_checkpointing=False, frozen=False, adapters=None):
+def load_sharded(
+    model_path, mesh, device, compute_dtype, frozen=False, gradient_checkpointing=False, adapters=None, compile=False
+):
     """The Hugging Face model with each transformer block and the root under FSDP2.
     frozen (the reference): stored in compute_dtype itself with no gradients, since a
     model that never steps needs no float32 master copy (half the bytes in bf16).
-    adapters (rank, alpha, targets): LoRA on those linear layers, the rest frozen."""
+    adapters (rank, alpha, targets): LoRA on those linear layers, the rest frozen.
+    compile: each block's forward through torch.compile (compile_block)."""
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=compute_dtype if frozen else torch.float32).to(
         device
     )
@@ -55,8 +58,24 @@ def load_sharded(model_path, mesh, device, compute_dtype, gradient_checkpointing
     for module in model.modules():
         if type(module).__name__ in blocks:
             fully_shard(module, mesh=mesh, mp_policy=mp)
+            if compile:
+                compile_block(module)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
+
+
+def compile_block(block):
+    """torch.compile one transformer block's forward, in place. Only the forward: FSDP2's
+    hooks, which gather and free the block's parameters, stay eager around it, and the
+    compiled code sees the gathered parameters as inputs, so one graph serves every
+    block. What it buys is fusion: the bf16 elementwise work around the matmuls (norms,
+    rotary, SiLU, the attention's softmax, casts) took more time than the matmuls did
+    (benchmarks/speed.py --limit). Shapes: the first micro-batch compiles for its own
+    sizes, and a later one with another batch or width recompiles once with that
+    dimension symbolic (torch's automatic dynamic shapes); the hidden size stays fixed,
+    which keeps its reductions vectorised (dynamic=True made every size symbolic and
+    was no faster than eager)."""
+    block.forward = torch.compile(block.forward)
 
 
 # Widest micro-batch (positions per sequence) that gets transformers' eager attention on a
@@ -279,13 +298,16 @@ class Learner:
         logprob_chunk=1024,
         lora=None,
         teacher=None,
+        compile=False,
     ):
         self.device = device
         self.model_path = model_path  # where save() takes a composite's other parts from
         self.lora = lora  # (rank, alpha, targets) or None: full fine-tuning
         # Positions per output-projection chunk in token_logprobs; 0: the dense path.
         self.logprob_chunk, self.compute_dtype = logprob_chunk, compute_dtype
-        self.model = load_sharded(model_path, mesh, device, compute_dtype, gradient_checkpointing, adapters=lora)
+        self.model = load_sharded(
+            model_path, mesh, device, compute_dtype, False, gradient_checkpointing, adapters=lora, compile=compile
+        )
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         # Losses are normalised by whole-step counts already, so the learners' gradients
         # must be summed; FSDP averages them, so each backward is scaled by the count.
@@ -304,10 +326,14 @@ class Learner:
         # second copy); else a frozen copy of the initial weights, sharded like the policy.
         self.reference = None
         if reference:
-            self.reference = self.model if lora else load_sharded(model_path, mesh, device, compute_dtype, frozen=True)
+            self.reference = (
+                self.model if lora else load_sharded(model_path, mesh, device, compute_dtype, True, compile=compile)
+            )
         # On-policy distillation's teacher (a folder or hub name): frozen, sharded like
         # the reference, its log-probs taken on the sampled tokens.
-        self.teacher = load_sharded(teacher, mesh, device, compute_dtype, frozen=True) if teacher else None
+        self.teacher = (
+            load_sharded(teacher, mesh, device, compute_dtype, frozen=True, compile=compile) if teacher else None
+        )
         self.named_params = dict(self.model.named_parameters())
         self.loaded_attention = self.model.config._attn_implementation
         config = self.model.config

@@ -308,6 +308,63 @@ def test_gradient_checkpointing_recomputes_each_block_and_changes_no_gradient(tm
     assert abs(on["grad_norm"] - off["grad_norm"]) <= 1e-6 * off["grad_norm"]
 
 
+# ---------------------------------------------------------------- compiled blocks
+
+
+def compile_worker(model_dir, out_file):
+    """One learner (FSDP2 over a world of 1) eager, compiled (--compile) and compiled
+    with gradient checkpointing, each from the same weights through the same train step
+    on micro-batches of varied batch sizes and widths: the log-probs of the step's
+    sequences before it, its grad norm, and how many graphs torch.compile built."""
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from grpo import train_step
+    from learner import Learner
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    batch = rollouts(512, sequences=24, seq_len=40)
+    result = {}
+    for name, compiled, checkpointing in (("eager", False, False), ("compiled", True, False), ("both", True, True)):
+        counters.clear()
+        learner = Learner(model_dir, mesh, torch.device("cpu"), 0.0, 0.0, checkpointing, compile=compiled)
+        ids, attention, *_ = learner.collate(batch)
+        with torch.no_grad():
+            logp = learner.token_logprobs(learner.model, ids, attention, TEMPERATURE)[0]  # [B, T-1]
+        # 100 positions per micro-batch: widths 26-40, 2 or 3 sequences each.
+        norm = train_step(step_config(len(batch), 100, beta=0.0), learner, copy.deepcopy(batch), 0)[-1]
+        result[name] = {"logp": logp.tolist(), "grad_norm": norm, "graphs": counters["stats"]["unique_graphs"]}
+    json.dump(result, open(out_file, "w"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.system  # starts its own processes or model: not in the fast tier
+def test_compiled_blocks_compute_what_eager_ones_do(tmp_path):
+    """--compile: each block's forward runs through torch.compile, under FSDP2's hooks,
+    alone and with gradient checkpointing; log-probs and the step's gradient are the
+    eager learner's within float32 rounding, and the micro-batches' many shapes cost a
+    few graphs (one per block code, recompiled once with symbolic sizes), not one per
+    shape."""
+    random_model(str(tmp_path / "model"), 512)
+    out = tmp_path / "compile.json"
+    cmd = [sys.executable, os.path.abspath(__file__), "compile", str(tmp_path / "model"), str(out)]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    r = json.load(open(out))
+    eager = torch.tensor(r["eager"]["logp"])
+    for name in ("compiled", "both"):
+        gap = (torch.tensor(r[name]["logp"]) - eager).abs().max().item()
+        print(
+            f"{name}: {r[name]['graphs']} graphs, log-prob gap {gap:.2e}, grad norm {r[name]['grad_norm']:.8g} (eager {r['eager']['grad_norm']:.8g})"
+        )
+        assert 1 <= r[name]["graphs"] <= 6
+        assert gap <= 1e-4
+        assert abs(r[name]["grad_norm"] - r["eager"]["grad_norm"]) <= 1e-4 * r["eager"]["grad_norm"]
+    assert r["eager"]["graphs"] == 0
+
+
 # ---------------------------------------------------------------- the memory estimate
 
 
@@ -372,5 +429,7 @@ if __name__ == "__main__":
         fsdp_worker(*sys.argv[2:4])
     elif sys.argv[1] == "checkpointing":
         checkpointing_worker(*sys.argv[2:4])
+    elif sys.argv[1] == "compile":
+        compile_worker(*sys.argv[2:4])
     elif sys.argv[1] == "estimate":
         estimate_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]))
