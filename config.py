@@ -11,6 +11,7 @@ import inspect
 import io
 import os
 import re
+import shutil
 import sys
 import types
 from dataclasses import dataclass
@@ -309,6 +310,10 @@ def rules(cfg, world_size, has_gpu):
     ]:
         yield getattr(cfg, name) >= low, f"--{name.replace('_', '-')} must be at least {low}, got {getattr(cfg, name)}"
     yield cfg.temperature > 0, f"--temperature must be positive for sampling, got {cfg.temperature}"
+    yield (
+        not cfg.compile or has_gpu or any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+        "--compile on a CPU needs a C++ compiler (g++ or clang++) for torch.compile's kernels: install one or drop it",
+    )
     yield (
         cfg.lr >= 0 and cfg.epsilon > 0 and cfg.epsilon_high >= cfg.epsilon,
         "--lr must be >= 0, --epsilon > 0 and --epsilon-high >= --epsilon",

@@ -189,9 +189,11 @@ def train_flops(config, parameters, positions, width):
     return 6 * parameters * positions + 12 * config.num_hidden_layers * config.hidden_size * width * positions
 
 
-def learner_alone(model_path, dtype, sequences, prompt_len, new_tokens, budget, threads=1):
+def learner_alone(model_path, dtype, sequences, prompt_len, new_tokens, budget, threads=1, compile=False):
     """One learner on `threads` threads, a world of one: train_step on `sequences` rollouts
-    of prompt_len + new_tokens ids, packed into micro-batches of `budget` positions, profiled. Returns (seconds, FLOPs, {phase: s}, {kind: s})."""
+    of prompt_len + new_tokens ids, packed into micro-batches of `budget` positions, profiled
+    (after two unprofiled steps: the allocator, and with compile=True, its graphs). Returns
+    (seconds, FLOPs, {phase: s}, {kind: s})."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -208,7 +210,8 @@ def learner_alone(model_path, dtype, sequences, prompt_len, new_tokens, budget, 
     flags += ["--out-dir", os.path.join(os.path.dirname(model_path), "alone"), "--overwrite"]
     cfg = resolve(parse_config([*flags, "--max-tokens-per-microbatch", str(budget)]), 2, False, True)
     cfg.learners = 1
-    learner = Learner(model_path, init_device_mesh("cpu", (1,)), torch.device("cpu"), lr=1e-5, compute_dtype=dtype)
+    mesh = init_device_mesh("cpu", (1,))
+    learner = Learner(model_path, mesh, torch.device("cpu"), lr=1e-5, compute_dtype=dtype, compile=compile)
     rng = torch.Generator().manual_seed(0)
     rollouts = [
         Rollout(
@@ -221,7 +224,8 @@ def learner_alone(model_path, dtype, sequences, prompt_len, new_tokens, budget, 
         )
         for i in range(sequences)
     ]
-    train_step(cfg, learner, rollouts, 0)  # warm-up: allocator, kernels
+    for _ in range(2):  # warm-up: allocator, kernels, compiled graphs
+        train_step(cfg, learner, rollouts, 0)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
         train_step(cfg, learner, rollouts, 0)
@@ -229,8 +233,10 @@ def learner_alone(model_path, dtype, sequences, prompt_len, new_tokens, budget, 
     dist.destroy_process_group()
     events = prof.key_averages()
     phases = {e.key: e.cpu_time_total / 1e6 for e in events if e.key in ("forward", "backward", "optimizer")}
-    kinds = {"matmul": 0.0, "attention": 0.0, "collectives": 0.0, "other ops": 0.0}
+    kinds = {"matmul": 0.0, "attention": 0.0, "collectives": 0.0, "compiled kernels": 0.0, "other ops": 0.0}
     for e in events:
+        if "CompiledFxGraph" in e.key:  # the fused elementwise kernels torch.compile wrote
+            kinds["compiled kernels"] += e.self_cpu_time_total / 1e6
         if e.key in ("forward", "backward", "optimizer") or not e.key.startswith(("aten::", "c10d::", "gloo")):
             continue
         name = e.key.lower()
@@ -248,8 +254,13 @@ def learner_alone(model_path, dtype, sequences, prompt_len, new_tokens, budget, 
     )
 
 
+# --limit's runs, in this order in one invocation: (learners, --compile).
+LIMIT_RUNS = [(2, False), (2, True), (1, True)]
+
+
 def limit(steps, learners, extra):
-    """The learner against the machine: matmul rate, the learner alone, a real run."""
+    """The learner against the machine: the matmul rate, the learner alone (eager and
+    compiled), and real runs (LIMIT_RUNS, or --learners N both ways)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -258,6 +269,7 @@ def limit(steps, learners, extra):
     dtype_name = precision(None, False, cpu_has_bf16())
     dtype = getattr(torch, dtype_name)
     cores = len(os.sched_getaffinity(0))
+    table = []
     with tempfile.TemporaryDirectory() as tmp:
         model_path = build_mid_model(os.path.join(tmp, "mid"))
         model = AutoModelForCausalLM.from_pretrained(model_path)
@@ -265,29 +277,47 @@ def limit(steps, learners, extra):
         print(
             f"matmul rate of the model's shapes in {dtype_name}: 1 thread {rate1 / 1e9:.0f} GFLOP/s, {cores} threads {rate_all / 1e9:.0f} GFLOP/s"
         )
-        seconds, flops, phases, kinds = learner_alone(model_path, dtype, 64, 45, 128, 4096)
-        print(
-            f"one learner alone, 1 thread, 64 x (45 + 128) positions: {seconds:.2f} s, {flops / seconds / 1e9:.0f} GFLOP/s = {flops / seconds / rate1:.2f} of 1 thread's matmul rate"
-        )
-        print("  phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
-        print("  by kind (s): " + ", ".join(f"{k} {v:.2f}" for k, v in kinds.items()))
+        for compiled in (False, True):
+            seconds, flops, phases, kinds = learner_alone(model_path, dtype, 64, 45, 128, 4096, compile=compiled)
+            print(
+                f"one learner alone, 1 thread, {'compiled' if compiled else 'eager'}, 64 x (45 + 128) positions: {seconds:.2f} s, {flops / seconds / 1e9:.0f} GFLOP/s = {flops / seconds / rate1:.2f} of 1 thread's matmul rate"
+            )
+            print("  phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+            print("  by kind (s): " + ", ".join(f"{k} {v:.2f}" for k, v in kinds.items()))
         shapes = ["--model", model_path, "--dataset", "synthetic", "--prompts-per-step", "16", "--group-size", "8"]
         shapes += ["--max-new-tokens", "128", "--steps", str(steps), "--beta", "0", "--dtype", dtype_name, *extra]
-        if learners:
-            os.environ.update(NPROC=str(learners + 1), LEARNERS=str(learners))
-        rows = run(os.path.join(tmp, "run"), shapes)
-    width = statistics.median(r["positions_trained"] / r["sequences_trained"] for r in rows)
-    achieved = statistics.median(
-        train_flops(model.config, sum(p.numel() for p in model.parameters()), r["positions_trained"], width)
-        / r["train_s"]
-        for r in rows
-    )
-    step, train, sample, sync = (median(rows, k) for k in ("step_s", "train_s", "sample_s", "sync_s"))
+        parameters = sum(p.numel() for p in model.parameters())
+        for n, compiled in [(learners, False), (learners, True)] if learners else LIMIT_RUNS:
+            os.environ.update(NPROC=str(n + 1), LEARNERS=str(n))
+            flags = [*shapes, *(["--compile"] if compiled else [])]
+            *rows, last = run(os.path.join(tmp, f"run{n}{compiled}"), flags)
+            # The last step samples nothing beside it (no next step): the learners have the cores.
+            width = statistics.median(r["positions_trained"] / r["sequences_trained"] for r in rows)
+            rate = [
+                train_flops(model.config, parameters, r["positions_trained"], width) / r["train_s"]
+                for r in [*rows, last]
+            ]
+            table.append(
+                (
+                    f"{n} learner{'s' * (n > 1)} + 1 sampler, {'compiled' if compiled else 'eager'}",
+                    *(median(rows, k) for k in ("step_s", "train_s", "sample_s", "sync_s")),
+                    statistics.median(rate[:-1]),
+                    last["train_s"],
+                    rate[-1],
+                )
+            )
+    print(f"runs (medians of {steps - SKIP - 1} steps after {SKIP}; the last step apart, with no sampling beside it):")
     print(
-        f"run: step {step:.2f} s, train {train:.2f}, sample {sample:.2f}, sync {sync:.2f} (medians of {len(rows)} steps)"
+        "| layout | step s | train s | sample s | sync s | train GFLOP/s | of the cores' rate | last step: train s | its fraction |"
     )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, step, train, sample, sync, rate, last_train, last_rate in table:
+        print(
+            f"| {name} | {step:.2f} | {train:.2f} | {sample:.2f} | {sync:.2f} | {rate / 1e9:.0f} | {rate / rate_all:.3f} | {last_train:.2f} | {last_rate / rate_all:.3f} |"
+        )
+    best = min(table, key=lambda row: row[1])
     print(
-        f"SUMMARY train phase {achieved / 1e9:.0f} GFLOP/s = {achieved / rate_all:.3f} of the {cores} cores' matmul rate ({rate_all / 1e9:.0f}) | step {step:.2f} s"
+        f"SUMMARY fastest step: {best[0]}, {best[1]:.2f} s, train {best[5] / rate_all:.3f} of the {cores} cores' matmul rate ({rate_all / 1e9:.0f} GFLOP/s)"
     )
 
 
@@ -300,7 +330,7 @@ def main():
     parser.add_argument("--learners", type=int, default=0, help="--limit's run: N learners + 1 sampler")
     args, extra = parser.parse_known_args()
     if args.limit:
-        return limit(args.steps if args.steps != 30 else 6, args.learners, extra)
+        return limit(args.steps if args.steps != 30 else 10, args.learners, extra)
     if args.precision:
         return precision_comparison(min(args.steps, 6), extra)
     common = ["--steps", str(args.steps), *(["--model", args.model] if args.model else []), *extra]

@@ -4,6 +4,7 @@ the weight broadcast group and the rollout group."""
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -176,11 +177,32 @@ def test_one_step_ahead_draws_step_k_plus_1_with_step_k_weights(on_policy, one_s
     assert drawn(replay, 2) == drawn(one_step_ahead, 2)
 
 
-def run_direct(*args, world=3):
+@pytest.mark.system  # starts its own processes or model: not in the fast tier
+def test_compiled_learners_train_and_keep_the_samplers_numbers(tiny_model, tmp_path, monkeypatch):
+    """--compile under real torchrun: two FSDP2 learners (the policy's blocks and the KL
+    reference's compiled) run three steps; each learner's log shows torch.compile tracing
+    the model's decoder layer, and the learners' log-probs still match the float32
+    sampler's."""
+    monkeypatch.setenv("TORCH_LOGS", "dynamo")  # a line per traced frame, in each rank's log
+    out = tmp_path / "run"
+    result = torchrun(3, *PAIR, "--eval-every", 0, "--steps", 3, "--beta", 0.1, "--compile", "--out-dir", out)
+    assert result.returncode == 0, result.stdout[-5000:]
+    metrics = train_rows(out)
+    print([(r["loss"], r["kl"], r["mismatch_max"]) for r in metrics])
+    assert [r["step"] for r in metrics] == [0, 1, 2]
+    assert all(math.isfinite(r["loss"]) and r["mismatch_max"] < 1e-4 for r in metrics)
+    assert metrics[-1]["kl"] > 0  # the reference ran, and the policy moved away from it
+    for rank in (0, 1):  # the learners (vLLM compiles its own model in the sampler, rank 2)
+        log = (out / "logs" / f"rank_{rank}.log").read_text()
+        assert re.search(r"start tracing forward .*transformers/models/qwen2/modeling_qwen2\.py", log), log[-3000:]
+
+
+def run_direct(*args, world=3, path=None):
     """grpo.py as rank 0 of a pretend torchrun world: config errors must come out
     before it ever connects to the store or loads a model."""
     env = {
         **os.environ,
+        **({"PATH": path} if path else {}),
         "RANK": "0",
         "WORLD_SIZE": str(world),
         "LOCAL_RANK": "0",
@@ -224,6 +246,14 @@ def test_config_errors_name_the_flag(args, world, flag):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("grpo.py: error:") and flag in lines[0], result.stderr
     assert time.time() - start < 60
+
+
+def test_compile_without_a_cpp_compiler_is_refused(tmp_path):
+    """On a CPU torch.compile writes C++ kernels: with no compiler on PATH, --compile is a
+    one-line refusal, not a traceback at the first step."""
+    result = run_direct("--compile", path=str(tmp_path))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "--compile" in lines[0], result.stderr
 
 
 @pytest.mark.parametrize("package", ["wandb", "tensorboard"])
