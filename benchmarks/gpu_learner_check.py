@@ -5,7 +5,7 @@ sampler sharing one GPU as launch.sh places them, on the tiny model, with one pi
 stood in for: the sampler's engine is transformers' generate in the engine's dtype
 (GenerateEngine below), because vLLM is not there. Everything else is the real run:
 placement, the learners' NCCL group, FSDP2 in bf16 mixed precision on CUDA, chunked
-log-probs, the loss, the weight sync, metrics, a checkpoint and its resume; then the
+log-probs, the loss, the weight sync, metrics, a checkpoint and its resume, --compile; then the
 same loop on a tiny tied Qwen3.5 composite (the seed model's layout). Then
 benchmarks/memory.py on the GPU default's shapes (Qwen2.5-0.5B: 896 x 24 layers, a
 152k vocabulary): bf16 at 4 x 4096 positions with and without gradient checkpointing,
@@ -158,6 +158,14 @@ def main():
     check(
         len(on_policy) == 4 and worst < 1e-4,
         f"float32, on-policy, after every sync: mean |diff| {worst:.2e} < 1e-4 (the sampler holds the learner's weights)",
+    )
+    # --compile: torch.compile's kernels (Triton on a GPU) inside FSDP2's hooks, the same
+    # numbers as the sampler's in float32.
+    compiled = run(f"{out}/compiled", *exact, "--compile")
+    worst = max((r["mismatch_mean"] for r in compiled), default=float("inf"))
+    check(
+        len(compiled) == 4 and worst < 1e-4,
+        f"--compile, float32, on-policy: 4 steps, mean |diff| after every sync {worst:.2e} < 1e-4",
     )
     from safetensors.torch import load_file
 

@@ -12,7 +12,7 @@
 
     python benchmarks/speed.py [--steps 30] [--model PATH_OR_HUB_NAME] [other grpo.py flags]
     python benchmarks/speed.py --precision [--steps 6]
-    python benchmarks/speed.py --limit [--steps 6] [--learners 2]
+    python benchmarks/speed.py --limit [--steps 10] [--learners 2]
 
 Without --model it runs the tiny CPU default (or the GPU default on a GPU machine).
 --precision compares bf16 with float32 on a random-init 22.8M Qwen2 (512 dims x 8 layers,
@@ -21,9 +21,11 @@ the same run, for 2 learners + 1 sampler and for 1 + 1.
 --limit measures the learner against the machine on that 22.8M model in the run's compute
 dtype: the FLOP/s the model's own matrix shapes reach on these cores (FLOP-weighted over
 the forward and both backward products of every Linear, 4096 rows), what one learner alone
-reaches on one thread and where its time goes (forward, backward, optimizer; matmuls,
-attention, other ops, and time outside ops, from torch's profiler), and the train phase of
-a real run (launch.sh's layout, or --learners N) as a fraction of the same cores' rate.
+reaches on one thread, eager and with --compile, and where its time goes (forward,
+backward, optimizer; matmuls, attention, compiled kernels, other ops, and time outside ops,
+from torch's profiler), the train phase of real runs (2 learners + 1 sampler eager and
+compiled, 1 + 1 compiled; or --learners N both ways) as a fraction of the same cores' rate,
+and the sampler's tokens/s against a bare vllm.LLM.generate of the same requests.
 Trained FLOPs: 6 x parameters x padded positions, plus attention's 12 x layers x hidden x
 width per position (the full square, as the kernels compute it).
 """
@@ -306,6 +308,7 @@ def limit(steps, learners, extra):
                     rate[-1],
                 )
             )
+        wrapped, bare = sampler_against_bare_vllm(shapes)
     print(f"runs (medians of {steps - SKIP - 1} steps after {SKIP}; the last step apart, with no sampling beside it):")
     print(
         "| layout | step s | train s | sample s | sync s | train GFLOP/s | of the cores' rate | last step: train s | its fraction |"
@@ -315,6 +318,9 @@ def limit(steps, learners, extra):
         print(
             f"| {name} | {step:.2f} | {train:.2f} | {sample:.2f} | {sync:.2f} | {rate / 1e9:.0f} | {rate / rate_all:.3f} | {last_train:.2f} | {last_rate / rate_all:.3f} |"
         )
+    print(
+        f"sampler {wrapped:.0f} tokens/s, bare vLLM {bare:.0f} tokens/s on the same requests, ratio {wrapped / bare:.3f}  (target >= 0.95)"
+    )
     best = min(table, key=lambda row: row[1])
     print(
         f"SUMMARY fastest step: {best[0]}, {best[1]:.2f} s, train {best[5] / rate_all:.3f} of the {cores} cores' matmul rate ({rate_all / 1e9:.0f} GFLOP/s)"
