@@ -74,7 +74,11 @@ def compile_block(block):
     sizes, and a later one with another batch or width recompiles once with that
     dimension symbolic (torch's automatic dynamic shapes); the hidden size stays fixed,
     which keeps its reductions vectorised (dynamic=True made every size symbolic and
-    was no faster than eager)."""
+    was no faster than eager). Each kind of block (a hybrid model has two), each grad
+    mode (the reference runs without) and each attention kernel (attention_kernel) gets
+    graphs of its own: torch's default of 8 per code object would send the later ones
+    back to eager, so the limit is raised."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     block.forward = torch.compile(block.forward)
 
 
