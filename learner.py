@@ -28,7 +28,7 @@ from models import restore_architecture
 
 
 def load_sharded(
-    model_path, mesh, device, compute_dtype, frozen=False, gradient_checkpointing=False, adapters=None, compile=False
+    model_path, mesh, device, compute_dtype, gradient_checkpointing=False, frozen=False, adapters=None, compile=False
 ):
     """The Hugging Face model with each transformer block and the root under FSDP2.
     frozen (the reference): stored in compute_dtype itself with no gradients, since a
@@ -310,7 +310,7 @@ class Learner:
         # Positions per output-projection chunk in token_logprobs; 0: the dense path.
         self.logprob_chunk, self.compute_dtype = logprob_chunk, compute_dtype
         self.model = load_sharded(
-            model_path, mesh, device, compute_dtype, False, gradient_checkpointing, adapters=lora, compile=compile
+            model_path, mesh, device, compute_dtype, gradient_checkpointing, adapters=lora, compile=compile
         )
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         # Losses are normalised by whole-step counts already, so the learners' gradients
@@ -331,7 +331,9 @@ class Learner:
         self.reference = None
         if reference:
             self.reference = (
-                self.model if lora else load_sharded(model_path, mesh, device, compute_dtype, True, compile=compile)
+                self.model
+                if lora
+                else load_sharded(model_path, mesh, device, compute_dtype, frozen=True, compile=compile)
             )
         # On-policy distillation's teacher (a folder or hub name): frozen, sharded like
         # the reference, its log-probs taken on the sampled tokens.
