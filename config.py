@@ -201,7 +201,7 @@ def precision(dtype, has_gpu, cpu_bf16):
     float32. From it: FSDP2 keeps float32 master weights and AdamW state, computes in it
     and reduces gradients in float32; vLLM runs in it; each parameter travels in the
     dtype the engine keeps it in (comm.wire_dtype); log-probs and the loss are float32
-    always (learner.token_logprobs). float16 is only ever asked for: its 3 more mantissa
+    always (logprobs.token_logprobs). float16 is only ever asked for: its 3 more mantissa
     bits shrink the sampler/learner mismatch (Qi et al., 2025), but its 5 exponent bits
     need a loss scaler (learner.Learner) and it is slow where the hardware lacks it."""
     if dtype is None:

@@ -1,7 +1,7 @@
 """Attention forward + backward on a CPU: torch's SDPA (its flash kernel) against
 transformers' eager attention, in bf16 and float32, at 4096 positions per micro-batch
 and several widths, in one process. It prints each time and the ratio sdpa / eager;
-learner.attention_kernel takes eager where that ratio is above 1 (bf16, widths <= 240).
+logprobs.attention_kernel takes eager where that ratio is above 1 (bf16, widths <= 240).
 
     python benchmarks/attention.py [--threads 1] [--head-dim 64]
 """

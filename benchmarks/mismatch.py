@@ -5,7 +5,7 @@ SmolLM2-135M-Instruct (tests/plugins/smollm2.py) on GSM8K test prompts, on-polic
 
 For each of float16, bfloat16 and float32: the project's vLLM engine (sampler.Sampler)
 samples the completions with their log-probs, and the learner's own log-prob function
-(learner.token_logprobs, the chunked head, the attention the learner picks) scores the
+(logprobs.token_logprobs, the chunked head, the attention the learner picks) scores the
 same tokens with the same weights in the same dtype. Printed: |log p_learner - log
 p_sampler| per token, mean and max, with the output projection in the model's dtype, in
 float32 on the learner only, and in float32 on both sides (vLLM's head_dtype override);
@@ -27,7 +27,7 @@ def learner_logprobs(model, completions, head_float32):
     """The learner's log-probs of each completion's tokens (one sequence at a time)."""
     import torch
 
-    from learner import ChunkedTokenLogprobs, attention_kernel, final_hidden, token_logprobs
+    from logprobs import ChunkedTokenLogprobs, attention_kernel, final_hidden, token_logprobs
 
     out = []
     for c in completions:

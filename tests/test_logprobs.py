@@ -95,7 +95,7 @@ def test_chunked_logprobs_and_gradients_match_dense(tied):
     """A 32k vocabulary, a chunk that does not divide the positions, padding and a
     temperature: the same log-probs and entropies, and the same gradient for every
     parameter (the head's, or with tied embeddings the shared one's, included)."""
-    from learner import token_logprobs
+    from logprobs import token_logprobs
 
     model = random_model(None, 32000, tied=tied)
     g = torch.Generator().manual_seed(1)
@@ -123,7 +123,7 @@ def test_chunked_logprobs_and_gradients_match_dense(tied):
 
 def test_chunked_path_saves_no_full_logits():
     """What the chunked forward keeps for the backward is [N, H]-sized, never [N, V]."""
-    from learner import token_logprobs
+    from logprobs import token_logprobs
 
     model = random_model(None, 32000)
     ids = torch.randint(0, 32000, (2, 300))

@@ -165,7 +165,7 @@ def test_fp16_run_keeps_sampler_and_learner_closer_still(tiny_model, tmp_path):
     ],
 )
 def test_attention_kernel_table(device, dtype, width, expected):
-    from learner import attention_kernel
+    from logprobs import attention_kernel
 
     assert attention_kernel(device, dtype, width, "sdpa") == expected
 
@@ -178,7 +178,8 @@ def test_bf16_learner_on_cpu_takes_eager_attention_for_short_batches(tiny_model,
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
 
-    from learner import EAGER_MAX_WIDTH, Learner
+    from learner import Learner
+    from logprobs import EAGER_MAX_WIDTH
 
     used = []
     functions = transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS
