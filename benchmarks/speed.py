@@ -206,6 +206,7 @@ def learner_alone(model_path, dtype, sequences, prompt_len, new_tokens, budget, 
     from grpo import Rollout, train_step
     from learner import Learner
 
+    before = torch.get_num_threads()  # restored at the end: --limit's sampler comparison runs after
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     flags = ["--model", model_path, "--beta", "0", "--group-size", "8", "--max-new-tokens", str(new_tokens)]
@@ -233,6 +234,7 @@ def learner_alone(model_path, dtype, sequences, prompt_len, new_tokens, budget, 
         train_step(cfg, learner, rollouts, 0)
         seconds = time.perf_counter() - t
     dist.destroy_process_group()
+    torch.set_num_threads(before)
     events = prof.key_averages()
     phases = {e.key: e.cpu_time_total / 1e6 for e in events if e.key in ("forward", "backward", "optimizer")}
     kinds = {"matmul": 0.0, "attention": 0.0, "collectives": 0.0, "compiled kernels": 0.0, "other ops": 0.0}
