@@ -45,13 +45,56 @@ SKIP = 3  # first steps left out of the medians: engine and allocator warm-up
 
 
 def run(out, args):
+    """launch.sh with these flags: its metric rows after the first SKIP, each with
+    cpu_by_rank, the CPU-seconds each rank's processes (vLLM's children included) spent
+    since the row before, read from /proc as the rows appear (Linux; {} elsewhere)."""
     cmd = ["bash", "launch.sh", "--out-dir", out, "--eval-every", "0", "--samples-every", "0", *args]
-    result = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if result.returncode != 0:
-        print(result.stdout[-4000:])
-        sys.exit(f"{' '.join(cmd)} failed with exit code {result.returncode}")
-    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    metrics, cpu_at_row = os.path.join(out, "metrics.jsonl"), []
+    with open(out + ".log", "w") as log:
+        job = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        while job.poll() is None:
+            written = sum(1 for _ in open(metrics)) if os.path.exists(metrics) else 0
+            while len(cpu_at_row) < written:
+                cpu_at_row.append(cpu_seconds_by_rank(job.pid))
+            time.sleep(0.1)
+    if job.returncode != 0:
+        print(open(out + ".log").read()[-4000:])
+        sys.exit(f"{' '.join(cmd)} failed with exit code {job.returncode}")
+    rows = [json.loads(line) for line in open(metrics)]
+    for i, row in enumerate(rows[1 : len(cpu_at_row)], 1):
+        row["cpu_by_rank"] = {k: v - cpu_at_row[i - 1].get(k, 0.0) for k, v in cpu_at_row[i].items()}
     return [r for r in rows if "loss" in r][SKIP:]
+
+
+_environ = {}  # pid -> its RANK (None: not a rank); a process's environment does not change
+
+
+def cpu_seconds_by_rank(root):
+    """User + system CPU-seconds of every process under `root` that has a RANK in its
+    environment, summed by rank."""
+    if not os.path.isdir("/proc"):
+        return {}
+    parent, seconds = {}, {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces
+            if pid not in _environ:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+                _environ[pid] = int(env[b"RANK"]) if b"RANK" in env else None
+        except (OSError, ValueError):
+            continue
+        parent[pid] = fields[1]
+        seconds[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    by_rank = {}
+    for pid, s in seconds.items():
+        up = pid
+        while up in parent and up != str(root):
+            up = parent[up]
+        if up == str(root) and _environ.get(pid) is not None:
+            by_rank[_environ[pid]] = by_rank.get(_environ[pid], 0.0) + s
+    return by_rank
 
 
 def median(rows, key):
@@ -77,6 +120,7 @@ def sampler_against_bare_vllm(grpo_args, repeats=5):
         cfg.dtype,
         cfg.sampler_gpu_memory or 0.3,
         cfg.sampler_kv_cache_gb,
+        cfg.compile,
     )
     prompts = [
         p["prompt_ids"]
@@ -273,7 +317,7 @@ def limit(steps, learners, extra):
     dtype_name = precision(None, False, cpu_has_bf16())
     dtype = getattr(torch, dtype_name)
     cores = len(os.sched_getaffinity(0))
-    table = []
+    table, cpu_table = [], []
     with tempfile.TemporaryDirectory() as tmp:
         model_path = build_mid_model(os.path.join(tmp, "mid"))
         model = AutoModelForCausalLM.from_pretrained(model_path)
@@ -301,13 +345,36 @@ def limit(steps, learners, extra):
                 train_flops(model.config, parameters, r["positions_trained"], width) / r["train_s"]
                 for r in [*rows, last]
             ]
+            name = f"{n} learner{'s' * (n > 1)} + 1 sampler, {'compiled' if compiled else 'eager'}"
             table.append(
                 (
-                    f"{n} learner{'s' * (n > 1)} + 1 sampler, {'compiled' if compiled else 'eager'}",
+                    name,
                     *(median(rows, k) for k in ("step_s", "train_s", "sample_s", "sync_s")),
                     statistics.median(rate[:-1]),
                     last["train_s"],
                     rate[-1],
+                )
+            )
+            # Where the cores' seconds went in a step: the learners', the sampler's, idle.
+            # The sampler draws the next batch during the train phase, on the same cores,
+            # so the learners have the share it leaves; their train FLOP/s is also given
+            # against that share of the cores' rate.
+            cpu = [
+                (
+                    sum(v for k, v in r["cpu_by_rank"].items() if k < n),
+                    sum(v for k, v in r["cpu_by_rank"].items() if k >= n),
+                )
+                for r in rows
+            ]
+            shares = [1 - sampler / (cores * r["step_s"]) for (_, sampler), r in zip(cpu, rows)]
+            cpu_table.append(
+                (
+                    name,
+                    statistics.median(c[0] for c in cpu),
+                    statistics.median(c[1] for c in cpu),
+                    statistics.median(cores * r["step_s"] - sum(c) for c, r in zip(cpu, rows)),
+                    statistics.median(shares),
+                    statistics.median(f / s for f, s in zip(rate, shares)),
                 )
             )
         wrapped, bare = sampler_against_bare_vllm(shapes)
@@ -320,6 +387,13 @@ def limit(steps, learners, extra):
         print(
             f"| {name} | {step:.2f} | {train:.2f} | {sample:.2f} | {sync:.2f} | {rate / 1e9:.0f} | {rate / rate_all:.3f} | {last_train:.2f} | {last_rate / rate_all:.3f} |"
         )
+    print(f"core-seconds per step ({cores} cores x step s), medians of the same steps:")
+    print(
+        "| layout | learners' CPU s | sampler's CPU s | idle core-s | share the sampler leaves | train's fraction of that share's rate |"
+    )
+    print("|---|---|---|---|---|---|")
+    for name, learners_cpu, sampler_cpu, idle, share, rate in cpu_table:
+        print(f"| {name} | {learners_cpu:.2f} | {sampler_cpu:.2f} | {idle:.2f} | {share:.2f} | {rate / rate_all:.3f} |")
     print(
         f"sampler {wrapped:.0f} tokens/s, bare vLLM {bare:.0f} tokens/s on the same requests, ratio {wrapped / bare:.3f}  (target >= 0.95)"
     )
