@@ -75,7 +75,7 @@ class Config:
     max_tokens_per_microbatch: int | None = None  # padded tokens per micro-batch; None: max(4096, one sequence)
     logprob_chunk: int = 1024  # positions per output-projection chunk in the log-probs; 0: the whole [T, V] at once
     gradient_checkpointing: bool = False  # recompute blocks in the backward: 1/15 the activations, 1/3 more compute
-    compile: bool = False  # torch.compile each transformer block (fused elementwise work); the first steps compile
+    compile: bool = False  # torch.compile the learner's blocks, and on CPU vLLM's model too; the first steps compile
     dtype: str | None = None  # bfloat16 | float32 | float16 (loss-scaled); None: bf16 where native (precision)
     lora_rank: int = 0  # > 0: train LoRA adapters of this rank on --lora-targets (the base stays frozen)
     lora_alpha: float | None = None  # adapter scale alpha / rank; None: 2 x rank

@@ -95,9 +95,8 @@ def run_sampler(cfg, path, index, num_samplers, weight_pg, rollout_pg, device, w
             cfg.eval_dataset or cfg.dataset, "test", tokenizer, cfg.max_prompt_len, reward_fns, **fields
         )
         eval_prompts = eval_prompts[: cfg.eval_size or None]
-    engine = Sampler(
-        path, cfg.max_prompt_len + cfg.max_new_tokens, cfg.seed, cfg.dtype, gpu_memory, cfg.sampler_kv_cache_gb
-    )
+    context = cfg.max_prompt_len + cfg.max_new_tokens
+    engine = Sampler(path, context, cfg.seed, cfg.dtype, gpu_memory, cfg.sampler_kv_cache_gb, cfg.compile)
     # Ready, and what the learners need to cut the same bucket plan: the engine's dtypes.
     # The learners wait for this before they load their model, so on a shared GPU vLLM
     # sizes its cache before the learner allocates.

@@ -53,7 +53,17 @@ def request_seed(*key):
 
 
 class Sampler:
-    def __init__(self, model, max_model_len, seed, dtype, gpu_memory_utilization=0.3, kv_cache_gb=1.0, head_dtype=None):
+    def __init__(
+        self,
+        model,
+        max_model_len,
+        seed,
+        dtype,
+        gpu_memory_utilization=0.3,
+        kv_cache_gb=1.0,
+        compile=False,
+        head_dtype=None,
+    ):
         on_gpu = torch.cuda.is_available()
         allow_qwen3_5_without_torchvision(model)  # on any device: it acts only where torchvision fails
         memory = (
@@ -72,7 +82,9 @@ class Sampler:
         self.llm = LLM(
             model=model,
             dtype=dtype,
-            enforce_eager=not on_gpu,
+            # On a CPU, compiling costs seconds to a minute at every start (vLLM's compile
+            # cache fails to reload there) for 1.2x faster sampling (22.8M model, bf16): --compile.
+            enforce_eager=not (on_gpu or compile),
             max_model_len=max_model_len,
             seed=seed,
             # Log-probs after temperature scaling: those of the policy that really sampled.

@@ -180,9 +180,9 @@ def test_one_step_ahead_draws_step_k_plus_1_with_step_k_weights(on_policy, one_s
 @pytest.mark.system  # starts its own processes or model: not in the fast tier
 def test_compiled_learners_train_and_keep_the_samplers_numbers(tiny_model, tmp_path, monkeypatch):
     """--compile under real torchrun: two FSDP2 learners (the policy's blocks and the KL
-    reference's compiled) run three steps; each learner's log shows torch.compile tracing
-    the model's decoder layer, and the learners' log-probs still match the float32
-    sampler's."""
+    reference's compiled) and a sampler whose vLLM model is compiled too run three steps;
+    each rank's log shows torch.compile tracing its model, and the learners' log-probs
+    still match the float32 sampler's after every weight sync."""
     monkeypatch.setenv("TORCH_LOGS", "dynamo")  # a line per traced frame, in each rank's log
     out = tmp_path / "run"
     result = torchrun(3, *PAIR, "--eval-every", 0, "--steps", 3, "--beta", 0.1, "--compile", "--out-dir", out)
@@ -192,9 +192,10 @@ def test_compiled_learners_train_and_keep_the_samplers_numbers(tiny_model, tmp_p
     assert [r["step"] for r in metrics] == [0, 1, 2]
     assert all(math.isfinite(r["loss"]) and r["mismatch_max"] < 1e-4 for r in metrics)
     assert metrics[-1]["kl"] > 0  # the reference ran, and the policy moved away from it
-    for rank in (0, 1):  # the learners (vLLM compiles its own model in the sampler, rank 2)
+    learner, sampler = "transformers/models/qwen2/modeling_qwen2", "vllm/model_executor/models/qwen2"
+    for rank, model in {0: learner, 1: learner, 2: sampler}.items():
         log = (out / "logs" / f"rank_{rank}.log").read_text()
-        assert re.search(r"start tracing forward .*transformers/models/qwen2/modeling_qwen2\.py", log), log[-3000:]
+        assert re.search(rf"start tracing forward .*{model}\.py", log), log[-3000:]
 
 
 def run_direct(*args, world=3, path=None):
