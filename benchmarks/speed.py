@@ -25,7 +25,9 @@ reaches on one thread, eager and with --compile, and where its time goes (forwar
 backward, optimizer; matmuls, attention, compiled kernels, other ops, and time outside ops,
 from torch's profiler), the train phase of real runs (2 learners + 1 sampler eager and
 compiled, 1 + 1 compiled; or --learners N both ways) as a fraction of the same cores' rate,
-and the sampler's tokens/s against a bare vllm.LLM.generate of the same requests.
+where each step's core-seconds went (the learners', the sampler's, idle: from /proc) and the
+train phase against the share of the cores the sampler leaves, and the sampler's tokens/s
+against a bare vllm.LLM.generate of the same requests.
 Trained FLOPs: 6 x parameters x padded positions, plus attention's 12 x layers x hidden x
 width per position (the full square, as the kernels compute it).
 """
