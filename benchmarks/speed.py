@@ -55,7 +55,12 @@ def run(out, args):
     with open(out + ".log", "w") as log:
         job = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         while job.poll() is None:
-            written = sum(1 for _ in open(metrics)) if os.path.exists(metrics) else 0
+            written = 0
+            if os.path.exists(metrics):
+                with open(metrics) as f:
+                    written = sum(1 for _ in f)
+            if written < len(cpu_at_row):  # a stale file that --overwrite then removed
+                cpu_at_row.clear()
             while len(cpu_at_row) < written:
                 cpu_at_row.append(cpu_seconds_by_rank(job.pid))
             time.sleep(0.1)
@@ -68,34 +73,34 @@ def run(out, args):
     return [r for r in rows if "loss" in r][SKIP:]
 
 
-_environ = {}  # pid -> its RANK (None: not a rank); a process's environment does not change
-
-
 def cpu_seconds_by_rank(root):
-    """User + system CPU-seconds of every process under `root` that has a RANK in its
-    environment, summed by rank."""
+    """User + system CPU-seconds of the processes under `root` that have a RANK in their
+    environment (torchrun's ranks and their children), summed by rank."""
     if not os.path.isdir("/proc"):
         return {}
-    parent, seconds = {}, {}
+    parent, ticks = {}, {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces
-            if pid not in _environ:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
-                _environ[pid] = int(env[b"RANK"]) if b"RANK" in env else None
-        except (OSError, ValueError):
+        except OSError:
             continue
-        parent[pid] = fields[1]
-        seconds[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        parent[pid], ticks[pid] = fields[1], int(fields[11]) + int(fields[12])
     by_rank = {}
-    for pid, s in seconds.items():
+    for pid in ticks:
         up = pid
         while up in parent and up != str(root):
             up = parent[up]
-        if up == str(root) and _environ.get(pid) is not None:
-            by_rank[_environ[pid]] = by_rank.get(_environ[pid], 0.0) + s
+        if up != str(root):
+            continue
+        try:  # only the job's few processes: their environment, read as it is now
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        except OSError:
+            continue
+        if b"RANK" in env:
+            rank = int(env[b"RANK"])
+            by_rank[rank] = by_rank.get(rank, 0.0) + ticks[pid] / os.sysconf("SC_CLK_TCK")
     return by_rank
 
 
@@ -380,7 +385,7 @@ def limit(steps, learners, extra):
                     statistics.median(c[1] for c in cpu),
                     statistics.median(cores * r["step_s"] - sum(c) for c, r in zip(cpu, rows)),
                     statistics.median(shares),
-                    statistics.median(f / s for f, s in zip(rate, shares)),
+                    statistics.median(f / s for f, s in zip(rate[:-1], shares)),
                 )
             )
         wrapped, bare = sampler_against_bare_vllm(shapes)
