@@ -118,6 +118,12 @@ def sync_and_compare(engine, model_path):
     return max_gap(model, engine.sample(batch, 2, 16, 1.0, key=(3,)))
 
 
+def test_a_cpu_engine_keeps_32_token_kv_blocks(engine):
+    # vLLM's CPU default, 128, samples 1.2-1.4x slower (docs/results.md); a platform or
+    # model override would put it back without a word.
+    assert engine.llm.llm_engine.vllm_config.cache_config.block_size == 32
+
+
 def test_weights_sent_over_a_real_group_load_in_place(engine, tiny_model):
     gap = sync_and_compare(engine, tiny_model)
     print(f"sampler vs transformers log-prob max abs diff after sync: {gap:.2e}")
