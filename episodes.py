@@ -25,6 +25,7 @@ and environment, after the prompt) reach --max-new-tokens, or when a turn is cut
 episodes of a sampler, and the environment's calls of a turn run in parallel workers."""
 
 import atexit
+import functools
 import time
 
 from console import warn
@@ -55,13 +56,20 @@ def _ids(tokenizer, messages, generation_prompt):
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+@functools.lru_cache(maxsize=4)
+def _stand_in_ids(tokenizer):
+    """The stand-in conversation rendered, once per tokenizer: every environment message
+    of every episode needs it."""
+    return tuple(_ids(tokenizer, STAND_IN, False))
+
+
 def message_ids(tokenizer, message, end_id):
     """The ids that follow an assistant turn's end-of-turn token `end_id` when `message`
     comes next and the assistant answers it: the template's rendering of that message
     and of the assistant's header, and whatever the template puts between turns. Taken
     from two renderings of a stand-in conversation, as the longer one's ids past the
     shorter one's last `end_id`; only the new message's text is new to the tokenizer."""
-    short = _ids(tokenizer, STAND_IN, False)
+    short = list(_stand_in_ids(tokenizer))
     longer = _ids(tokenizer, STAND_IN + [message], True)
     if end_id not in short:
         raise ValueError(f"the chat template does not end an assistant turn with token {end_id}")
