@@ -52,6 +52,31 @@ def request_seed(*key):
     return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little") >> 2
 
 
+def engine_options(on_gpu, compile, hybrid, gpu_memory_utilization, kv_cache_gb):
+    """The vLLM settings that differ between a GPU and a CPU, from the device alone."""
+    if on_gpu:
+        # vLLM always compiles there; chunked prefill stays on, since a GPU's sampling
+        # noise is a stateless hash of (seed, position), which chunking cannot change.
+        return {"gpu_memory_utilization": gpu_memory_utilization, "enforce_eager": False, "enable_prefix_caching": True}
+    return {
+        "kv_cache_memory_bytes": int(kv_cache_gb * 2**30),
+        # Compiling costs seconds to a minute at every start (vLLM's compile cache fails
+        # to reload on a CPU) for 1.1x faster sampling (22.8M model, bf16, 32-token
+        # blocks): only with --compile.
+        "enforce_eager": not compile,
+        # vLLM rewinds a seeded request's generator when it throws away the sample of a
+        # chunked prefill, and a CPU generator cannot rewind (the engine dies).
+        "enable_chunked_prefill": False,
+        # A hybrid model's prefix cache (vLLM's mamba cache mode 'align', which keeps the
+        # recurrent state at block boundaries) requires chunked prefill.
+        "enable_prefix_caching": not hybrid,
+        # KV blocks of 32 tokens, not vLLM's CPU default of 128, sample 1.2-1.4x faster
+        # (docs/results.md: the 22.8M, SmolLM2 and tiny models); 32 is the smallest block
+        # its attention kernels take.
+        "block_size": 32,
+    }
+
+
 class Sampler:
     def __init__(
         self,
@@ -64,43 +89,23 @@ class Sampler:
         compile=False,
         head_dtype=None,
     ):
-        on_gpu = torch.cuda.is_available()
         allow_qwen3_5_without_torchvision(model)  # on any device: it acts only where torchvision fails
-        memory = (
-            {"gpu_memory_utilization": gpu_memory_utilization}
-            if on_gpu
-            else {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)}
+        device_options = engine_options(
+            torch.cuda.is_available(), compile, is_hybrid(model), gpu_memory_utilization, kv_cache_gb
         )
-        # CPU: vLLM rewinds a seeded request's generator when it throws away the sample of
-        # a chunked prefill, and a CPU generator cannot rewind (the engine dies), so
-        # prefills are never chunked there. On GPU the noise is a stateless hash of
-        # (seed, position), which chunking cannot change.
-        # CPU too: KV blocks of 32 tokens, not vLLM's CPU default of 128, sample 1.2-1.4x
-        # faster (docs/results.md: the 22.8M, SmolLM2 and tiny models); 32 is the
-        # smallest block its attention kernels take.
-        cpu_only = {} if on_gpu else {"enable_chunked_prefill": False, "block_size": 32}
-        # A hybrid model's prefix cache (vLLM's mamba cache mode 'align', which keeps the
-        # recurrent state at block boundaries) requires chunked prefill: off with it on CPU.
-        prefix_caching = on_gpu or not is_hybrid(model)
         self.llm = LLM(
             model=model,
             dtype=dtype,
-            # On a CPU, compiling costs seconds to a minute at every start (vLLM's compile
-            # cache fails to reload there) for 1.1x faster sampling (22.8M model, bf16,
-            # 32-token blocks): --compile.
-            enforce_eager=not (on_gpu or compile),
             max_model_len=max_model_len,
             seed=seed,
             # Log-probs after temperature scaling: those of the policy that really sampled.
             logprobs_mode="processed_logprobs",
-            enable_prefix_caching=prefix_caching,
             # Text only: a composite checkpoint's vision tower is neither built nor loaded.
             language_model_only=True,
             use_tqdm_on_load=False,
             # The output projection in another dtype (benchmarks/mismatch.py measures float32's).
             hf_overrides={"head_dtype": head_dtype} if head_dtype else None,
-            **memory,
-            **cpu_only,
+            **device_options,
         )
         self.dtype = self.llm.llm_engine.model_config.dtype
         text_config = self.llm.llm_engine.model_config.hf_text_config

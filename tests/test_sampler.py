@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from comm import receive_weights
 from conftest import ROOT, free_port
-from sampler import Sampler
+from sampler import Sampler, engine_options
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +116,23 @@ def sync_and_compare(engine, model_path):
     assert sender.returncode == 0, err[-3000:]
     assert int(out.split("BUCKETS")[1]) > 2
     return max_gap(model, engine.sample(batch, 2, 16, 1.0, key=(3,)))
+
+
+def test_engine_options_by_device():
+    """The GPU's settings, which no CPU test's engine reaches, and the CPU's, side by side."""
+    for hybrid in (False, True):
+        gpu = engine_options(True, False, hybrid, 0.3, 1.0)
+        assert gpu == {"gpu_memory_utilization": 0.3, "enforce_eager": False, "enable_prefix_caching": True}
+    cpu = engine_options(False, False, False, 0.3, 1.5)
+    assert cpu == {
+        "kv_cache_memory_bytes": 3 * 2**29,
+        "enforce_eager": True,
+        "enable_chunked_prefill": False,
+        "enable_prefix_caching": True,
+        "block_size": 32,
+    }
+    assert not engine_options(False, True, False, 0.3, 1.5)["enforce_eager"]  # --compile
+    assert not engine_options(False, False, True, 0.3, 1.5)["enable_prefix_caching"]  # hybrid
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPUs keep vLLM's own block size")
