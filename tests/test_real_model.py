@@ -50,8 +50,11 @@ def test_float32_sampler_equals_learner_after_each_sync(float32_run):
     print("float32 mismatch_max per step:", [r["mismatch_max"] for r in metrics])
     for r in metrics:
         assert r["grad_norm"] > 0 and r["tokens_trained"] > 0
-        # measured 9e-6: float32 forwards of the same weights by two kernels' sums
-        assert r["mismatch_max"] < 1e-4, r["mismatch_max"]
+        # Float32 forwards of the same weights by two kernels' sums: on an AMX Xeon the mean
+        # gap 8e-6-9e-6 and the max 2e-5-5e-5 (seeds 0-2); a CI processor once reached
+        # 1.6e-3 on one token of 192 (SmolLM2's outsized activations amplify a last-bit
+        # difference). A sampler that kept the old weights at step 1: mean 0.028, max 0.52.
+        assert r["mismatch_mean"] < 1e-4 and r["mismatch_max"] < 1e-2, (r["mismatch_mean"], r["mismatch_max"])
 
 
 def test_bf16_sampler_and_learner_stay_within_bf16s_precision(smollm2, dataset, tmp_path):
