@@ -206,6 +206,7 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         logprob_chunk=cfg.logprob_chunk,
         teacher=cfg.teacher,
         compile=cfg.compile,
+        kept_dtypes=engine_dtypes["kept_dtypes"],
     )
     if rank == 0:  # in the log; on the console too when it may not fit
         memory = learner.memory_line(
@@ -479,6 +480,11 @@ def main(argv=None):
                 weight_device,
                 place.sampler_gpu_memory,
             )
+        # The groups made on the store are shut down here, not left to their destructors
+        # (torch warns of an NCCL group destroyed without it at exit).
+        for pg in (weight_pg, rollout_pg):
+            if pg is not None:
+                pg.shutdown()
 
 
 def start_line(cfg, world, local_world, gpus):

@@ -7,6 +7,7 @@
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 bash launch.sh   # on each node
 #   bash launch.sh test [pytest args]     # the test suite (-m "not system": the fast tier)
 #   bash launch.sh gpus                   # how many GPUs this node shows (nothing is installed)
+#   PYTHON3=python3.12 bash launch.sh     # the Python .venv is built with (else preflight.py picks)
 #
 # The first call builds .venv from requirements.txt (GPU) or requirements-cpu.txt; the
 # first `test` adds requirements-test.txt.
@@ -30,11 +31,25 @@ if [ "${1:-}" = "gpus" ]; then  # what this script found, for a check by hand or
     echo "$GPUS"
     exit 0
 fi
+# A node that cannot run this is refused here in one line (preflight.py), before any
+# install: a driver too old for torch's CUDA build, which would fail every rank later.
+if [ "$GPUS" -gt 0 ]; then
+    python3 preflight.py driver || exit 2
+fi
 REQUIREMENTS=$( [ "$GPUS" -gt 0 ] && echo requirements.txt || echo requirements-cpu.txt )
 STAMP=".venv/installed-$(sha1sum "$REQUIREMENTS" | cut -c1-12)"
 if [ -z "${PYTHON:-}" ] && [ ! -f "$STAMP" ]; then
-    python3 -m venv .venv
+    # A Python that vLLM supports: PYTHON3, else the first of python3, python3.12, ... that is one.
+    BASE_PYTHON=${PYTHON3:-}
+    [ -n "$BASE_PYTHON" ] || BASE_PYTHON=$(python3 preflight.py python) || exit 2
+    "$BASE_PYTHON" -m venv .venv
     .venv/bin/pip install -q -r "$REQUIREMENTS"
+    # GPUs: FlashInfer's prebuilt kernels (Hopper and newer). Without them vLLM downloads
+    # and JIT-compiles them at every engine start, for minutes, while the learners wait.
+    if [ "$GPUS" -gt 0 ]; then
+        .venv/bin/vllm download-kernels >/dev/null ||
+            echo "launch.sh: vllm download-kernels failed; FlashInfer will build its kernels at the first start (minutes)"
+    fi
     # CPU only: PyPI's torchvision does not match the CPU torch build and breaks
     # transformers' model imports. On GPUs the CUDA torchvision that vLLM brings is kept:
     # vLLM's Qwen3.5 module imports it (through its Qwen3-VL code) even for text.

@@ -3,6 +3,7 @@
 step, its full parameters for the weight sync, and its state for checkpoints."""
 
 import os
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -24,18 +25,29 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 import lora as lora_module
 import metrics
 from checkpoint import Preempted
+from comm import param_key
 from logprobs import attention_kernel, token_logprobs
 from models import restore_architecture
 
 
 def load_sharded(
-    model_path, mesh, device, compute_dtype, gradient_checkpointing=False, frozen=False, adapters=None, compile=False
+    model_path,
+    mesh,
+    device,
+    compute_dtype,
+    gradient_checkpointing=False,
+    frozen=False,
+    adapters=None,
+    compile=False,
+    kept_dtypes=None,
 ):
     """The Hugging Face model with each transformer block and the root under FSDP2.
     frozen (the reference): stored in compute_dtype itself with no gradients, since a
     model that never steps needs no float32 master copy (half the bytes in bf16).
     adapters (rank, alpha, targets): LoRA on those linear layers, the rest frozen.
-    compile: each block's forward through torch.compile (compile_block)."""
+    compile: each block's forward through torch.compile (compile_block).
+    kept_dtypes ({param_key: dtype}, the sampler's): parameters the engine keeps in
+    another dtype than compute_dtype are used in that dtype here too (use_kept_dtypes)."""
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=compute_dtype if frozen else torch.float32).to(
         device
     )
@@ -62,7 +74,47 @@ def load_sharded(
             if compile:
                 compile_block(module)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    if kept_dtypes:
+        use_kept_dtypes(model, kept_dtypes)
     return model
+
+
+def use_kept_dtypes(model, kept_dtypes):
+    """Parameters the engine keeps in another dtype than the compute dtype (a gated delta
+    net's A_log, float32 under bf16) enter the learner's forward in that dtype too, with
+    the float32 master's exact values: else the learner would compute Qwen3.5's decay
+    exp(A_log) from a bf16-rounded A_log while vLLM uses the float32 one.
+
+    FSDP2 gathers a whole unit in one dtype, and such a leaf sits in a module whose other
+    parameters are read directly by its parent (the delta net's conv1d), so it cannot be
+    a unit of its own. Instead, a hook around that module swaps in, for its forward only,
+    master + (p - p.detach()): the value of the master (one all-gather of a few floats
+    per layer and forward, in the same order on every learner) with p's gradient path,
+    so the gradient still reaches the master through FSDP's reduce. Frozen models
+    (stored in the compute dtype already) have nothing more exact to give. Returns the
+    (module, name) pairs it covers."""
+    covered = []
+    for prefix, module in model.named_modules():
+        for name, master in module.named_parameters(recurse=False):
+            dtype = kept_dtypes.get(param_key(f"{prefix}.{name}"))
+            if dtype is None or master.dtype != dtype:
+                continue
+            held = {}  # FSDP2's gathered parameter, while the master's value stands in for it
+            module.register_forward_pre_hook(partial(_swap_in_master, name=name, master=master, held=held))
+            module.register_forward_hook(partial(_swap_back, name=name, held=held), always_call=True)
+            covered.append((module, name))
+    return covered
+
+
+def _swap_in_master(module, args, name, master, held):
+    gathered = held["param"] = module._parameters[name]  # FSDP2's unsharded parameter, compute dtype
+    full = master.detach()
+    full = full.full_tensor() if isinstance(full, DTensor) else full
+    module._parameters[name] = full + (gathered - gathered.detach())  # [n], the master's dtype and values
+
+
+def _swap_back(module, args, output, name, held):
+    module._parameters[name] = held.pop("param")  # FSDP2 finds its own parameter again
 
 
 def compile_block(block):
@@ -118,14 +170,24 @@ class Learner:
         lora=None,
         teacher=None,
         compile=False,
+        kept_dtypes=None,
     ):
         self.device = device
         self.model_path = model_path  # where save() takes a composite's other parts from
         self.lora = lora  # (rank, alpha, targets) or None: full fine-tuning
         # Positions per output-projection chunk in token_logprobs; 0: the dense path.
         self.logprob_chunk, self.compute_dtype = logprob_chunk, compute_dtype
+        # The frozen models below are sharded alike, so that all three compute alike.
+        frozen = dict(frozen=True, compile=compile, kept_dtypes=kept_dtypes)
         self.model = load_sharded(
-            model_path, mesh, device, compute_dtype, gradient_checkpointing, adapters=lora, compile=compile
+            model_path,
+            mesh,
+            device,
+            compute_dtype,
+            gradient_checkpointing,
+            adapters=lora,
+            compile=compile,
+            kept_dtypes=kept_dtypes,
         )
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         # Losses are normalised by whole-step counts already, so the learners' gradients
@@ -145,16 +207,10 @@ class Learner:
         # second copy); else a frozen copy of the initial weights, sharded like the policy.
         self.reference = None
         if reference:
-            self.reference = (
-                self.model
-                if lora
-                else load_sharded(model_path, mesh, device, compute_dtype, frozen=True, compile=compile)
-            )
+            self.reference = self.model if lora else load_sharded(model_path, mesh, device, compute_dtype, **frozen)
         # On-policy distillation's teacher (a folder or hub name): frozen, sharded like
         # the reference, its log-probs taken on the sampled tokens.
-        self.teacher = (
-            load_sharded(teacher, mesh, device, compute_dtype, frozen=True, compile=compile) if teacher else None
-        )
+        self.teacher = load_sharded(teacher, mesh, device, compute_dtype, **frozen) if teacher else None
         self.named_params = dict(self.model.named_parameters())
         self.loaded_attention = self.model.config._attn_implementation
         config = self.model.config

@@ -9,6 +9,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_check}
 rm -rf "$OUT"
+# One GPU, shared by the learner and the sampler, whatever the node has: on an 8-GPU node
+# launch.sh would otherwise give each rank a GPU of its own, and the shared path, with its
+# memory fractions and the gloo weight group, would go untested.
+export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 export NPROC=2 LEARNERS=1
 COMMON=(--steps 3 --eval-every 0 --samples-every 0 "$@")
 
@@ -58,20 +62,25 @@ if ahead:
           f" peak learner memory {max(r['peak_memory_mb_learner'] for r in ahead):.0f} MB, sampler {sampler_mb:.0f} MB")
 EOF
 
-# The seed's model family: vLLM's Qwen3.5 module imports torchvision (through its Qwen3-VL
-# code) even for text. A tiny Qwen3.5 composite's engine must start and sample on the GPU,
-# with the CUDA torchvision that launch.sh keeps there, or the stand-in where it fails.
-.venv/bin/python - "$OUT" <<'EOF'
-import os, sys
-sys.path.insert(0, os.getcwd())
-from tests.plugins.hybrid_models import build_tiny_qwen3_5_composite
-try:
-    from sampler import Sampler
-    path = build_tiny_qwen3_5_composite(os.path.join(sys.argv[1], "qwen3_5_composite"))
-    engine = Sampler(path, 256, 0, "bfloat16", 0.3)
-    ok = len(engine.sample([[1, 2, 3]], 2, 8, 1.0, (0,))) == 2
-    why = ""
-except Exception as e:  # the failure is the finding
-    ok, why = False, f": {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-print(f"{'PASS' if ok else 'FAIL'} a Qwen3.5 composite's vLLM engine starts and samples on the GPU{why}")
+# The seed's model family: a tiny Qwen3.5 composite (gated delta nets, a vision tower in
+# the checkpoint) through the whole loop in bf16 on the GPU. vLLM's Qwen3.5 module imports
+# torchvision (through its Qwen3-VL code) even for text, with the CUDA torchvision that
+# launch.sh keeps there. A high learning rate and a reward that varies in every group move
+# the weights at each step, so a sync that fails shows in the mismatch.
+COMPOSITE=$(.venv/bin/python -c 'import sys; sys.path.insert(0, "."); from tests.plugins.hybrid_models import build_tiny_qwen3_5_composite as b; print(b(sys.argv[1], tie_word_embeddings=True))' "$OUT/qwen3_5_model")
+bash launch.sh --model "$COMPOSITE" --dataset synthetic --dtype bfloat16 --steps 2 --lr 1e-2 --warmup-steps 0 \
+    --max-staleness 0 --eval-every 0 --samples-every 0 --beta 0 --max-new-tokens 16 \
+    --rewards tests.plugins.hybrid_models:parity --out-dir "$OUT/qwen3_5" || echo "FAIL the Qwen3.5 composite's run exited $?"
+.venv/bin/python - "$OUT/qwen3_5" <<'EOF'
+import json, os, sys
+
+out = sys.argv[1]
+path = os.path.join(out, "metrics.jsonl")
+rows = [r for r in map(json.loads, open(path)) if "loss" in r] if os.path.exists(path) else []
+worst = max((r["mismatch_mean"] for r in rows), default=float("inf"))
+saved = os.path.join(out, "final", "config.json")
+architectures = json.load(open(saved))["architectures"] if os.path.exists(saved) else None
+ok = len(rows) == 2 and worst < 1e-2 and architectures == ["Qwen3_5ForConditionalGeneration"]
+print(f"{'PASS' if ok else 'FAIL'} Qwen3.5 composite, bf16, on the GPU: {len(rows)} of 2 steps, mismatch after every sync"
+      f" {worst:.2e} < 1e-2, saved as {architectures}")
 EOF

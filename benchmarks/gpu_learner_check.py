@@ -35,7 +35,19 @@ class GenerateEngine:
     weight load. One prompt's n completions are one batch (no padding), so it is slow,
     but exact enough to measure the learner against."""
 
-    def __init__(self, model, max_model_len, seed, dtype, gpu_memory_utilization=0.3, kv_cache_gb=1.0):
+    def __init__(
+        self,
+        model,
+        max_model_len,
+        seed,
+        dtype,
+        gpu_memory_utilization=0.3,
+        kv_cache_gb=1.0,
+        compile=False,
+        head_dtype=None,
+    ):
+        """sampler.Sampler's own signature (tests/test_sampler.py holds them equal), as
+        job.py calls it; the engine's memory, compile and head options mean nothing here."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

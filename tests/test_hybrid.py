@@ -144,6 +144,44 @@ def test_a_trained_composite_saves_as_the_same_architecture(which, request, tmp_
     assert all(torch.equal(text[n], t) for n, t in trained.items())
 
 
+def test_the_learner_computes_with_the_parameters_the_engine_keeps_in_float32(composite, gloo_world):
+    """vLLM keeps a gated delta net's A_log in float32 under bf16 (the engine's kept_dtypes);
+    the learner's forward uses it in float32 too, exactly the master's values, while the
+    module's other direct parameter (dt_bias) stays bf16, as the engine holds it, and so do
+    its linear children. The master weights are untouched by the forward, both parameters
+    still get their gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from learner import Learner
+
+    kept = {"linear_attn.A_log": torch.float32}
+    learner = Learner(
+        composite,
+        init_device_mesh("cpu", (1,)),
+        torch.device("cpu"),
+        1e-3,
+        compute_dtype=torch.bfloat16,
+        kept_dtypes=kept,
+    )
+    (name, delta) = next((n, m) for n, m in learner.model.named_modules() if n.endswith("linear_attn"))
+    master = {k: learner.full_tensor(f"{name}.{k}", torch.float32).clone() for k in ("A_log", "dt_bias")}
+    assert not torch.equal(master["A_log"], master["A_log"].bfloat16().float())  # bf16 would round it
+    seen = {}
+    delta.register_forward_pre_hook(  # after the learner's own: what the forward reads
+        lambda m, args: seen.update(
+            A_log=m.A_log.detach().clone(), dt_bias=m.dt_bias.dtype, proj=m.out_proj.weight.dtype
+        )
+    )
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    learner.model(input_ids=ids).logits.float().logsumexp(-1).sum().backward()
+    assert seen["A_log"].dtype == torch.float32 and torch.equal(seen["A_log"], master["A_log"])
+    assert seen["dt_bias"] == seen["proj"] == torch.bfloat16, "as the engine holds them"
+    for k, value in master.items():
+        assert torch.equal(learner.full_tensor(f"{name}.{k}", torch.float32), value), f"{k}: the master changed"
+        grad = learner.named_params[f"{name}.{k}"].grad
+        assert grad is not None and grad.full_tensor().abs().sum() > 0, k
+
+
 # ---------------------------------------------------------------- the engine
 
 

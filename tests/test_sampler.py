@@ -215,3 +215,19 @@ def test_a_prefix_cache_that_will_not_reset_stops_the_sampler(engine, tiny_model
     model = perturbed(tiny_model)
     with pytest.raises(RuntimeError, match="prefix cache"):
         engine.load_weights([(n, p.detach()) for n, p in model.named_parameters()])
+
+
+def test_the_gpu_learner_checks_stand_in_engine_takes_the_samplers_arguments():
+    """benchmarks/gpu_learner_check.py stands its GenerateEngine in for Sampler where vLLM
+    cannot be installed, and job.py builds either with the same call: a parameter added
+    to one and not the other (as --compile's was) fails every check's sampler rank on a
+    GPU node, so the two signatures are held equal here."""
+    import importlib.util
+    import inspect
+
+    spec = importlib.util.spec_from_file_location(
+        "gpu_learner_check", os.path.join(ROOT, "benchmarks", "gpu_learner_check.py")
+    )
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    assert inspect.signature(check.GenerateEngine.__init__) == inspect.signature(Sampler.__init__)
