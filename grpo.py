@@ -216,7 +216,9 @@ def mismatch_weight(logp, sampler_logp, mask, mode, low, high):
         return mask * ratio.clamp(max=high), {}
     if mode == "mask":
         kept = mask * ((ratio >= low) & (ratio <= high))
-        weight = kept * ratio
+        # where, not kept * ratio: a log ratio past float32's exp range (about 88) makes
+        # ratio inf, and 0 * inf is NaN, which would skip the whole step for one token.
+        weight = torch.where(kept.bool(), ratio, 0.0)
     elif mode == "seq-mask":
         geometric = torch.exp(log_ratio.sum(-1) / mask.sum(-1).clamp(min=1))  # [B]
         kept = weight = mask * ((geometric >= low) & (geometric <= high))[:, None]

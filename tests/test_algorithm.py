@@ -134,6 +134,28 @@ def test_advantages_match_loops(scale, seed):
 # ---------------------------------------------------------------- losses
 
 
+@pytest.mark.parametrize("mode", ["tis", "mask", "seq-mask"])
+def test_a_token_past_exps_range_weighs_nothing_and_the_loss_stays_finite(mode):
+    """A token whose learner/sampler log ratio is past float32's exp range (a stale or
+    broken sample: ratio inf) is dropped by the masks with weight exactly 0, capped by TIS,
+    and never makes the step's loss or gradient NaN; the other tokens keep their weights."""
+    logp = torch.full((2, 3), -1.0, requires_grad=True)  # float32, as the learner's
+    sampler_logp = torch.full((2, 3), -1.0)
+    sampler_logp[0, 1] = -150.0  # log ratio +149: exp overflows to inf
+    mask = torch.ones(2, 3)
+    cfg = loss_config(mismatch=mode, mismatch_low=0.5, mismatch_high=2.0)
+    loss, _ = policy_loss(logp, sampler_logp, torch.tensor([1.0, -1.0]), mask, cfg)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    from grpo import mismatch_weight
+
+    weight, _ = mismatch_weight(logp, sampler_logp, mask, mode, 0.5, 2.0)
+    want = {"tis": [[1, 2, 1], [1, 1, 1]], "mask": [[1, 0, 1], [1, 1, 1]], "seq-mask": [[0, 0, 0], [1, 1, 1]]}[mode]
+    assert weight.tolist() == want
+    if mode != "tis":
+        assert logp.grad[0, 1] == 0  # the dropped token moves nothing
+
+
 def test_loss_hand_checked():
     # one sequence, two tokens; ratios 2 and 0.5 against eps 0.2
     logp = torch.log(torch.tensor([[0.4, 0.1]], dtype=torch.float64))
