@@ -93,10 +93,11 @@ def env_message(fn, reply):
 def run_episodes(engine, prompts, n, cfg, temperature, key, tokenizer=None, env=None, env_pool=None):
     """n episodes per prompt, in prompt order (each prompt's n contiguous), as dicts of
     Rollout's fields plus "turns" (the conversation) and "model_mask" (1 on the ids the
-    model drew); and counts: env errors, timeouts, seconds. With --max-turns 1 (no env)
-    it is one engine.sample, as a single-turn run has always been."""
+    model drew); and counts: env errors, timeouts, programs a tool ran that ended in an
+    error in the sandbox, seconds. With --max-turns 1 (no env) it is one engine.sample,
+    as a single-turn run has always been."""
     first = engine.sample([p["prompt_ids"] for p in prompts], n, cfg.max_new_tokens, temperature, key)
-    counts = {"env_errors": 0, "env_timeouts": 0, "env_s": 0.0}
+    counts = {"env_errors": 0, "env_timeouts": 0, "sandbox_errors": 0, "env_s": 0.0}
     episodes = []
     for i, c in enumerate(first):
         record = prompts[i // n]
@@ -110,7 +111,8 @@ def run_episodes(engine, prompts, n, cfg, temperature, key, tokenizer=None, env=
         replies = env_pool.run([(0, e["record"], e["turns"]) for e in live], cfg.reward_timeout)
         counts["env_s"] += time.time() - t0
         asked = []
-        for e, (reply, error) in zip(live, replies):
+        counts["sandbox_errors"] += sum(n for _, _, n in replies)
+        for e, (reply, error, _) in zip(live, replies):
             try:
                 if error:  # the episode ends here, counted
                     raise ValueError(error)

@@ -95,6 +95,10 @@ def step_metrics(step, rollouts, reports, sums, token_sums, maxima, grad_norm, l
         "truncated_frac": sum(c.truncated for c in rollouts) / len(rollouts),
         "reward_errors": sum(r["reward_counts"]["reward_errors"] for r in reports),
         "reward_timeouts": sum(r["reward_counts"]["reward_timeouts"] for r in reports),
+        # programs the rewards and tools ran in the sandbox that ended in an error (sandbox.py)
+        "sandbox_errors": sum(
+            r["reward_counts"]["sandbox_errors"] + r.get("env_counts", {}).get("sandbox_errors", 0) for r in reports
+        ),
         "loss": sums["loss"],
         "grad_norm": grad_norm,
         "lr": lr,

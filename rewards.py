@@ -1,5 +1,5 @@
-"""Scoring: the built-in rewards (the GSM8K task's accuracy and format, gsm8k.py), user
-rewards by module:function, and their weighted sum over a batch, with user rewards run in
+"""Scoring: the built-in rewards (the GSM8K task's accuracy and format, gsm8k.py; the code
+task's code_tests, coding.py), user rewards by module:function, and their weighted sum over a batch, with user rewards run in
 worker processes under a timeout.
 
 Every reward has the signature `fn(completion: str, record: dict) -> float`. `record`
@@ -15,6 +15,7 @@ import atexit
 import contextlib
 import ctypes
 import importlib
+import json
 import os
 import pickle
 import select
@@ -24,10 +25,14 @@ import sys
 import time
 import traceback
 
+import sandbox
+from coding import code_tests
 from console import warn
 from gsm8k import gsm8k_accuracy, gsm8k_format
 
-BUILTIN = {"accuracy": gsm8k_accuracy, "format": gsm8k_format}  # the GSM8K task's (gsm8k.py)
+BUILTIN = {"accuracy": gsm8k_accuracy, "format": gsm8k_format, "code_tests": code_tests}
+# Linear-time and never raise (tested), so they need no worker; code_tests runs programs.
+IN_PROCESS = (gsm8k_accuracy, gsm8k_format)
 
 
 def load_function(name, what):
@@ -80,12 +85,13 @@ def score_batch(completions, records, reward_fns, step=0, timeout=10.0, workers=
     and counts as a reward error (its first traceback is printed once per reward); one
     that runs past `timeout` seconds scores 0 and counts as a reward timeout. counts =
     {reward_errors, reward_timeouts, rewards_failed: completions with a failed call,
-    rewards: completions}, all sums, so the samplers' counts add up."""
+    rewards: completions, sandbox_errors: the programs the calls ran in the sandbox that
+    ended in an error}, all sums, so the samplers' counts add up."""
     parts, done, pooled = [{} for _ in completions], [], []
     for i, (completion, record) in enumerate(zip(completions, records)):
         record = {**record, "step": step}
         for k, (name, fn, _) in enumerate(reward_fns):
-            if fn in BUILTIN.values():  # linear-time and never raise (tested): no process needed
+            if fn in IN_PROCESS:
                 done.append((i, name, float(fn(completion, record)), None))
             else:
                 pooled.append((i, name, (k, completion, record)))
@@ -95,8 +101,9 @@ def score_batch(completions, records, reward_fns, step=0, timeout=10.0, workers=
             _pools[key] = RewardPool(key[0], workers)
             atexit.register(_pools[key].close)
         results = _pools[key].run([call for _, _, call in pooled], timeout)
-        done += [(i, name, value, error) for (i, name, _), (value, error) in zip(pooled, results)]
+        done += [(i, name, value, error) for (i, name, _), (value, error, _) in zip(pooled, results)]
     counts, failed = {"reward_errors": 0, "reward_timeouts": 0}, set()
+    counts["sandbox_errors"] = sum(n for _, _, n in results) if pooled else 0
     for i, name, value, error in done:
         parts[i][name] = value
         if error:
@@ -126,7 +133,10 @@ def check_failures(counts, max_fraction, step):
 # the sampler and keep the interpreter from exiting; and N processes run CPU-heavy rewards
 # in parallel, which threads cannot under the GIL. Each worker is `python rewards.py SPEC`
 # (fork+exec, so nothing of vLLM's threads or of the caller's __main__ comes along); it
-# takes one call at a time over its stdin and answers (value, traceback or None, seconds).
+# takes one call at a time over its stdin (pickled: the trainer's own data, whatever
+# Python values a dataset row holds) and answers with one line of JSON (value, traceback
+# or None, seconds, sandbox errors): a worker runs code the trainer does not trust, and
+# unpickling its reply would run whatever it sent.
 class RewardPool:
     def __init__(self, names, workers, start_timeout=120.0, raw=False):
         """raw: each call's value comes back as the function returned it (an environment's
@@ -140,7 +150,9 @@ class RewardPool:
         command = [sys.executable, os.path.abspath(__file__), self.spec, *(["raw"] if self.raw else [])]
         proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         try:
-            ready = select.select([proc.stdout], [], [], self.start_timeout)[0] and pickle.load(proc.stdout) == "ready"
+            ready = (
+                select.select([proc.stdout], [], [], self.start_timeout)[0] and proc.stdout.readline() == b'"ready"\n'
+            )
         except Exception:  # EOF: the worker died loading the rewards
             ready = False
         if not ready:
@@ -158,8 +170,9 @@ class RewardPool:
         return status
 
     def run(self, calls, timeout):
-        """[(value, error)] for calls [(function index, first, second argument)], error None, a
-        traceback or TIMEOUT. Each worker has one call in flight; one past its deadline is killed."""
+        """[(value, error, sandbox errors)] for calls [(function index, first, second argument)],
+        error None, a traceback or TIMEOUT. Each worker has one call in flight; one past its
+        deadline is killed."""
         results, todo, busy = [None] * len(calls), list(range(len(calls)))[::-1], {}  # busy: worker -> (call, sent at)
         while todo or busy:
             for w in range(len(self.procs)):
@@ -172,7 +185,7 @@ class RewardPool:
                         self.procs[w].stdin.flush()
                         busy[w] = (i, time.monotonic())
                     except OSError:  # it died between calls
-                        results[i] = (0.0, f"reward worker died (exit status {self._kill(w)})")
+                        results[i] = (0.0, f"reward worker died (exit status {self._kill(w)})", 0)
             if not busy:
                 continue
             wait = min(sent for _, sent in busy.values()) + timeout + GRACE - time.monotonic()
@@ -182,14 +195,15 @@ class RewardPool:
                 if self.procs[w].stdout in ready:
                     del busy[w]
                     try:
-                        value, error, seconds = pickle.load(self.procs[w].stdout)
-                        results[i] = (0.0, TIMEOUT) if seconds > timeout else (value, error)
-                    except Exception:  # EOF: the reward killed its worker (os._exit, a crash)
-                        results[i] = (0.0, f"reward worker died (exit status {self._kill(w)})")
+                        reply = json.loads(self.procs[w].stdout.readline())
+                        value, error, n = reply["value"], reply["error"], reply["sandbox_errors"]
+                        results[i] = (0.0, TIMEOUT, n) if reply["seconds"] > timeout else (value, error, n)
+                    except Exception:  # EOF or not our JSON: the reward killed its worker (os._exit, a crash)
+                        results[i] = (0.0, f"reward worker died (exit status {self._kill(w)})", 0)
                 elif time.monotonic() > sent + timeout + GRACE:
                     del busy[w]
                     self._kill(w)
-                    results[i] = (0.0, TIMEOUT)
+                    results[i] = (0.0, TIMEOUT, 0)
         return results
 
     def close(self):
@@ -210,20 +224,25 @@ def _serve(spec, raw=False):
     os.dup2(2, 1)  # or the replies: its prints, on import too, go to stderr, at once
     sys.stdout = sys.stderr
     fns = [fn for _, fn, _ in parse_reward_spec(spec)]
-    pickle.dump("ready", out)
+    out.write(b'"ready"\n')
     out.flush()
     while True:
         try:
             k, completion, record = pickle.load(calls)
         except EOFError:
             return
-        start = time.perf_counter()
+        start, errors = time.perf_counter(), sandbox.stopped
         try:
             value = fns[k](completion, record)
-            reply = (value if raw else float(value), None)
+            value = value if raw else float(value)
+            json.dumps(value)  # plain data only: a value that is not fails here, as the call's error
+            error = None
         except Exception:
-            reply = (0.0, traceback.format_exc())
-        pickle.dump((*reply, time.perf_counter() - start), out)
+            value, error = 0.0, traceback.format_exc()
+        seconds, n = time.perf_counter() - start, sandbox.stopped - errors
+        out.write(
+            json.dumps({"value": value, "error": error, "seconds": seconds, "sandbox_errors": n}).encode() + b"\n"
+        )
         out.flush()
 
 

@@ -175,7 +175,18 @@ def _bwrap(limits):
         for folder in reversed(parents[:-1]):
             args += ["--perms", "0755", "--dir", folder]
         args += ["--ro-bind", base, base]
-    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(limits["disk_mb"] << 20), "--tmpfs", "/tmp"]
+    args += [
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--perms",
+        "1777",
+        "--size",
+        str(limits["disk_mb"] << 20),
+        "--tmpfs",
+        "/tmp",
+    ]
     env = {**ENV, "HOME": "/tmp"}
     return args + ["--chdir", "/tmp", "--clearenv", *[a for k, v in env.items() for a in ("--setenv", k, v)]]
 

@@ -20,6 +20,7 @@ import operator
 import os
 import re
 
+import sandbox
 from rewards import load_function
 
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
@@ -58,7 +59,14 @@ def calculator(expression: str) -> str:
     return str(int(value) if isinstance(value, float) and value.is_integer() else value)
 
 
-BUILTIN = {"calculator": calculator}
+def python(code: str) -> str:
+    """Run a Python program and return what it printed (or its error)."""
+    result = sandbox.run(code, timeout=5.0)  # in the sandbox: the model wrote it
+    printed = result["stdout"][-2000:]
+    return printed if result["error"] is None else f"{printed}error: {result['error']}"
+
+
+BUILTIN = {"calculator": calculator, "python": python}
 
 
 def load_tools(spec):

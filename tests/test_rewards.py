@@ -118,7 +118,7 @@ def test_reward_spec_and_weighted_sum():
     fns = parse_reward_spec("accuracy=2,format=0.5")
     totals, parts, counts = score_batch(["#### 5", "#### 4 apples"], [gsm8k(5), gsm8k(5)], fns)
     assert parts == [{"accuracy": 1.0, "format": 1.0}, {"accuracy": 0.0, "format": 0.0}] and totals == [2.5, 0.0]
-    assert counts == {"reward_errors": 0, "reward_timeouts": 0, "rewards_failed": 0, "rewards": 2}
+    assert counts == {"reward_errors": 0, "reward_timeouts": 0, "rewards_failed": 0, "rewards": 2, "sandbox_errors": 0}
     # the built-ins are ordinary rewards of the same signature, by module:function too
     fns = parse_reward_spec("accuracy,rewards:gsm8k_format=3")
     assert score_batch(["#### 5"], [gsm8k(5)], fns)[0] == [4.0]
@@ -218,7 +218,13 @@ def test_user_reward_sees_every_column_the_prompt_and_the_step(task_records):
     solutions = [r["solution"] for r in task_records]
     wrong = [r["solution"].replace("return ", "return 1 + ") for r in task_records]
     totals, parts, counts = score_batch(solutions + wrong, task_records * 2, fns, step=7, timeout=10, workers=2)
-    assert counts == {"reward_errors": 0, "reward_timeouts": 0, "rewards_failed": 0, "rewards": 600}
+    assert counts == {
+        "reward_errors": 0,
+        "reward_timeouts": 0,
+        "rewards_failed": 0,
+        "rewards": 600,
+        "sandbox_errors": 0,
+    }
     # the reference answers pass the row's own tests, and shifted ones fail them
     assert [p[f"{TASK}:passes_tests"] for p in parts] == [1.0] * 300 + [0.0] * 300
     assert totals == [1.0] * 300 + [0.0] * 300  # weight 0 leaves sees_record out of the sum
@@ -242,7 +248,7 @@ def test_slow_calls_time_out_score_zero_and_are_counted(task_records, capsys):
     totals, parts, counts = score_batch(completions, records, fns, timeout=1.0, workers=1)
     assert time.monotonic() - start < 10
     assert totals == [1.0, 0.0, 0.0, 1.0, 0.0, 1.0]  # the calls after the killed one still run, in a fresh worker
-    assert counts == {"reward_errors": 0, "reward_timeouts": 2, "rewards_failed": 2, "rewards": 6}
+    assert counts == {"reward_errors": 0, "reward_timeouts": 2, "rewards_failed": 2, "rewards": 6, "sandbox_errors": 0}
     err = capsys.readouterr().err
     assert err.count(f"reward '{TASK}:passes_tests' ran past --reward-timeout 1 s") == 1
 
@@ -264,7 +270,13 @@ def test_errors_are_counted_printed_once_and_abort_past_the_fraction(task_record
     totals, parts, counts = score_batch(["#### 1"] * 40, records, fns, timeout=10)
     failed = [r["id"] % 4 == 0 for r in records]
     assert totals == [1.0 if bad else 2.0 for bad in failed]  # the failed call scores 0, the others count
-    assert counts == {"reward_errors": 10, "reward_timeouts": 0, "rewards_failed": 10, "rewards": 40}
+    assert counts == {
+        "reward_errors": 10,
+        "reward_timeouts": 0,
+        "rewards_failed": 10,
+        "rewards": 40,
+        "sandbox_errors": 0,
+    }
     out, err = capfd.readouterr()
     assert err.count("Traceback") == 1 and f"reward '{TASK}:flaky' failed" in err and "KeyError: 'expected'" in err
     assert "flaky: row 1\n" in err  # what a reward prints is shown, and does not garble its worker's replies
@@ -314,7 +326,7 @@ def test_a_hanging_reward_does_not_hang_the_job(task_records, tmp_path):
     assert done.returncode == 0, done.stderr
     totals, counts, idle = json.loads(done.stdout)
     assert totals == [1.0] * 3  # the other reward still scores
-    assert counts == {"reward_errors": 0, "reward_timeouts": 3, "rewards_failed": 3, "rewards": 3}
+    assert counts == {"reward_errors": 0, "reward_timeouts": 3, "rewards_failed": 3, "rewards": 3, "sandbox_errors": 0}
     assert time.monotonic() - start < 30
     assert idle and not any(map(_alive, idle + [int(pid_file.read_text())]))  # no worker outlives the job
 
