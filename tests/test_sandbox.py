@@ -9,6 +9,7 @@ import subprocess
 import pytest
 from hostile import programs, write_task
 
+import checkpoint
 import sandbox
 from coding import code_tests, extract_code
 from conftest import FAST, rows, torchrun
@@ -136,7 +137,7 @@ def test_the_python_tool_reports_output_or_error():
 @bubblewrap
 def test_hostile_completions_in_a_real_run_harm_nothing(tiny_model, tmp_path, listener):
     """A real run (torchrun, vLLM, FSDP) of a code task whose every row's test is a harm,
-    with the python tool running the same harm in a second turn: every reward is 0, the
+    with the python tool running the same harm in a second turn: every harm scores 0, the
     sandbox's errors are counted in the step's metrics, the run ends cleanly with its
     checkpoint, and nothing leaked, survived, connected or grew."""
     port, accepted = listener
@@ -155,18 +156,18 @@ def test_hostile_completions_in_a_real_run_harm_nothing(tiny_model, tmp_path, li
     assert result.returncode == 0, result.stdout[-5000:]
     assert "sandbox: bubblewrap" in result.stdout
     train = [r for r in rows(out) if "loss" in r]
-    assert len(train) == 3 and all(r["reward_mean"] == 0 and r["reward_errors"] == 0 for r in train), train
-    assert sum(r["sandbox_errors"] for r in train) >= 3 * 8, train  # every tool call's harm is an error
+    assert len(train) == 3 and all(r["reward_errors"] == 0 for r in train), train
+    assert sum(r["sandbox_errors"] for r in train) >= 3 * 8 - 2 * 2, train  # every tool call's harm but outlive's
     assert all(r["peak_memory_mb_sampler"] < 4000 for r in train), train  # the memory bomb grew no trainer
     samples = (out / "samples.jsonl").read_text()
-    tool_replies = [
-        m["content"] for s in map(json.loads, samples.splitlines()) for m in s["turns"] if m["role"] == "tool"
-    ]
-    assert tool_replies and all("error: " in reply for reply in tool_replies), tool_replies
+    for s in map(json.loads, samples.splitlines()):  # a harm scores 0; spawning a process is no failure in itself
+        question = next(m["content"] for m in s["turns"] if m["role"] == "user")
+        assert s["reward"] == (question == "Write outlive."), s
+        tool = [m["content"] for m in s["turns"] if m["role"] == "tool"]
+        assert all(("error: " in reply) == (question != "Write outlive.") for reply in tool), s
+    assert any(m["role"] == "tool" for s in map(json.loads, samples.splitlines()) for m in s["turns"]), samples
     everything = result.stdout + samples + (out / "metrics.jsonl").read_text()
     assert SECRET_VALUE not in everything and "deleted" not in everything
-    import checkpoint
-
     assert open(marker).read() == SECRET_VALUE
     assert checkpoint.find_checkpoint("latest", str(out)).endswith("step_3")  # complete, as the run wrote it
     assert not accepted() and not survivors()

@@ -8,6 +8,8 @@ import json
 import os
 import time
 
+import sandbox
+
 
 def write_task(path, n=300):
     """n rows of the task as .jsonl; row i asks for f(x) = k*x + b with its own k and b."""
@@ -27,14 +29,10 @@ def write_task(path, n=300):
 
 
 def passes_tests(completion, record):
-    """Fraction of the row's tests that the function in the completion passes."""
-    namespace = {}
-    try:
-        exec(completion, namespace)  # a loop in the completion is killed at --reward-timeout
-        f = namespace[record["entry_point"]]
-        return sum(f(*args) == want for args, want in record["tests"]) / len(record["tests"])
-    except Exception:  # the completion's code is wrong: that is a score, not a broken reward
-        return 0.0
+    """Fraction of the row's tests that the function in the completion passes, run in the sandbox."""
+    checks = "".join(f"print({record['entry_point']}(*{args!r}) == {want!r})\n" for args, want in record["tests"])
+    result = sandbox.run(completion + "\n" + checks, timeout=5)  # the model wrote it: never exec it here
+    return result["stdout"].split().count("True") / len(record["tests"])
 
 
 passes_tests.needs = ("entry_point", "tests")
