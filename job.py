@@ -296,10 +296,17 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
             extra = sync(step, row)
         rollouts = [c for r in reports for c in r["rollouts"]]
         lr = learner.schedule.get_last_lr()[0]
+        keep = metrics.sample_indices(cfg, step, len(rollouts))  # samples.jsonl's, with the learner's log-probs
         t3 = time.time()
         try:  # a signal drops the step between two micro-batches, on every learner alike
             sums, token_sums, maxima, grad_norm = train_step(
-                cfg, learner, rollouts, rank, stop=lambda: checkpoint.stop_agreed(device), objective=objective
+                cfg,
+                learner,
+                rollouts,
+                rank,
+                stop=lambda: checkpoint.stop_agreed(device),
+                objective=objective,
+                keep=keep,
             )
         except checkpoint.Preempted:
             if not syncs_before_sampling(cfg, step + 1, first):
@@ -319,14 +326,8 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         row["skipped"] = int(skips > 0)
         if rank == 0:
             write_row(row)
-            if cfg.samples_every and step % cfg.samples_every == 0:
-                for c in rollouts[:: cfg.group_size][:4]:
-                    sample = {"step": step, "text": c.text, "reward": c.reward, **c.parts, "truncated": c.truncated}
-                    # the ids as trained: a reader can check them against the tokenizer
-                    sample.update(prompt_ids=c.prompt_ids, token_ids=c.token_ids)
-                    if cfg.env:  # the whole transcript, and which ids the model drew
-                        sample.update(turns=c.turns, model_mask=c.model_mask)
-                    samples_log.write(json.dumps(sample) + "\n")
+            if keep:
+                samples_log.writelines(json.dumps(metrics.sample_row(step, i, rollouts[i], cfg)) + "\n" for i in keep)
                 samples_log.flush()
             bar.update()
             bar.set_postfix_str(
