@@ -59,6 +59,7 @@ from episodes import check_env_failures, run_episodes, start_env
 from evals import evaluate, write_samples
 from grpo import Rollout, bind_objective, train_step
 from models import text_to_checkpoint, weight_plan
+from report import write_report_safely, write_run_info
 from rewards import check_failures, parse_reward_spec, score_batch
 from tiny import build_tiny_model, tiny_model_dir
 from tools import load_tools
@@ -217,6 +218,8 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         )
         (console.warn if "WARNING" in memory else console.log.info)(memory)
     tokenizer = load_tokenizer(path) if rank == 0 else None  # saved beside every checkpoint
+    if rank == 0:
+        write_run_info(cfg, path)  # the config, the model folder and the machine, for report.html
     objective = bind_objective(cfg)  # its parameters resolved once per run
     first = checkpoint.start_step(cfg)
     if cfg.resume:
@@ -277,6 +280,7 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         evals = metrics.merge_evals(reports)
         if rank == 0:
             write_samples(cfg.out_dir, step, reports)
+            write_report_safely(cfg.out_dir, console.warn)  # with this eval's samples
         if rank == 0:
             console.say(metrics.eval_line(step, evals))
         return {**timing, "eval_s": time.time() - t1, **evals}
@@ -350,6 +354,8 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         curves = metrics.plot(cfg.out_dir)
         if curves:
             console.say(f"curves: {curves}")
+        if page := write_report_safely(cfg.out_dir, console.warn):
+            console.say(f"report: {page}")
 
 
 def sync_plan(cfg, path, engine_dtype, kept_dtypes):
