@@ -241,6 +241,8 @@ def rollouts_section(samples, evals, texts, cfg):
         prompt = prompt_of(members[0], texts)
         rewards = [m.get("reward", 0.0) for m in members]
         why = "uniform: every reward equal, advantage 0" if len(set(rewards)) == 1 else "rewards differ"
+        if all("learner_logprobs" in m and m["learner_logprobs"] is None for m in members):
+            why += "; not trained (dropped)"  # --drop-uniform-groups, or --overlong mask
         out.append(
             f'<section class="group" data-prompt="{html.escape(prompt.lower())}"><h3>{source} step {step}, '
             f"{len(members)} completions, {why}</h3><details><summary>prompt</summary><pre>{html.escape(prompt)}</pre>"
