@@ -18,6 +18,7 @@ from conftest import FAST, ROOT, rows, torchrun
 from metrics import sample_indices
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
+ENV_COLOUR = (0xAE, 0xC7, 0xE8)  # report.STYLE's background of an environment's token in the mask view
 
 
 def browser():
@@ -35,12 +36,12 @@ def chromium(*args, timeout=120):
 
 
 class Cards(HTMLParser):
-    """From a page: each .sample card's token spans as their class lists, in page order,
-    the keys of the curves' polylines and the body's class."""
+    """From a page: each .sample card's token spans as their class lists, in page order
+    (and their hover titles), the keys of the curves' polylines and the body's class."""
 
     def __init__(self, page):
         super().__init__()
-        self.cards, self.curves, self.body = [], [], None
+        self.cards, self.titles, self.curves, self.body = [], [], [], None
         self.feed(page)
 
     def handle_starttag(self, tag, attrs):
@@ -52,8 +53,10 @@ class Cards(HTMLParser):
             self.curves.append(a["data-key"])
         elif "sample" in classes:
             self.cards.append([])
+            self.titles.append([])
         elif tag == "span" and "t" in classes:
             self.cards[-1].append(classes)
+            self.titles[-1].append(a["title"])
 
 
 def jsonl(path):
@@ -99,21 +102,28 @@ def test_the_report_of_a_real_run_opens_in_a_browser(episodes_run, tmp_path):
     assert len(samples) == 2 * 2 * 4 and len(evals) == 2 * 4  # two groups of 4 a step; 4 prompts an eval
     shown = re.search(r'id="shown">(\d+)<', dom.stdout).group(1)
     assert len(page.cards) == int(shown) == len(samples) + len(evals)
-    for card, s in zip(page.cards, samples + evals):
+    for card, titles, s in zip(page.cards, page.titles, samples + evals):
         assert len(card) == len(s["token_ids"])
+        assert [int(t.split()[1]) for t in titles] == s["token_ids"]  # the hover names each token's id
         assert ["env" in c for c in card] == [m == 0 for m in s["model_mask"]]
     assert any("env" in c for card in page.cards for c in card), "no episode ran a second turn"
-    # Every logged completion was trained (no group dropped), its learner log-probs those
-    # of its own tokens whichever learner trained it: float32 agrees with the sampler.
-    for s in samples:
+    for titles, s in zip(page.titles, samples):
+        # the hover's numbers are the logged ones
+        assert all(f"sampler {a:.6f}" in t for t, a, m in zip(titles, s["sampler_logprobs"], s["model_mask"]) if m)
+        # Every logged completion was trained (no group dropped), its learner log-probs those
+        # of its own tokens whichever learner trained it: float32 agrees with the sampler.
         assert s["learner_logprobs"] is not None, s
         model = [(a, b) for a, b, m in zip(s["sampler_logprobs"], s["learner_logprobs"], s["model_mask"]) if m]
         assert max(abs(a - b) for a, b in model) < 1e-3, s
 
     shot = tmp_path / "report.png"
-    taken = chromium(f"--screenshot={shot}", "--window-size=1200,1600", url)
+    taken = chromium(f"--screenshot={shot}", "--window-size=1200,3000", url)
     assert taken.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", taken.stderr[-3000:]
-    assert shot.stat().st_size > 10_000  # a page, not a blank
+    # What a reader sees: the environment's tokens painted in the mask view's colour.
+    from PIL import Image
+
+    colours = {c for _, c in Image.open(shot).convert("RGB").getcolors(maxcolors=1 << 24)}
+    assert ENV_COLOUR in colours, f"no environment token painted in {shot}"
 
 
 def test_a_run_still_writing_is_reported_without_its_partial_line(tmp_path):
