@@ -99,7 +99,7 @@ class Config:
     eval_samples: int = 1  # completions per held-out prompt; > 1: pass@k and maj@n too (evals.py)
     eval_temperature: float | None = None  # None: greedy for one sample, --temperature for several
     eval_only: bool = False  # evaluate --model and exit
-    samples_every: int = 10  # write a few completions to samples.jsonl every K steps; 0: never
+    samples_every: int = 10  # write two whole groups to samples.jsonl every K steps; 0: never
     seed: int = 0  # data order, sampling and initialisation
     out_dir: str = "runs/default"  # where the run writes
     save_every: int = 0  # checkpoint every N steps (and always on preemption); 0: only on preemption

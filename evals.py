@@ -80,7 +80,8 @@ def evaluate(episodes, eval_prompts, share, cfg, reward_fns, step):
     out["samples"] = [
         {"index": share[i // n], "sample": i % n, "prompt": records[i]["prompt"], "completion": t}
         | {"answer": None if a is None else str(a), "reward": r, **p}
-        | ({"turns": records[i]["turns"]} if cfg.env else {})
+        | {"token_ids": completions[i]["token_ids"]}  # the report shows them token by token
+        | ({"turns": records[i]["turns"], "model_mask": completions[i]["model_mask"]} if cfg.env else {})
         for i, (t, a, r, p) in enumerate(zip(texts, answers, totals, parts))
     ]
     return out

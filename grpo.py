@@ -52,6 +52,8 @@ class Rollout:
     advantage: float = 0.0
     model_mask: list | None = None  # per token_ids: 1 drawn by the model, 0 the environment's (episodes.py)
     turns: list | None = None  # the conversation as chat messages, when the sampler kept it
+    keep_logprobs: bool = False  # the learner keeps its log-probs of this one (samples.jsonl's)
+    learner_logprobs: list | None = None  # per token_ids, the learner's before its update, when kept
 
     def model_tokens(self):
         return len(self.token_ids) if self.model_mask is None else sum(self.model_mask)
@@ -282,13 +284,17 @@ def overlong_penalty(length, max_new_tokens, buffer):
     return min(0.0, (max_new_tokens - buffer - length) / buffer) if buffer > 0 else 0.0
 
 
-def train_step(cfg, learner, rollouts, rank, stop=None, objective=None):
+def train_step(cfg, learner, rollouts, rank, stop=None, objective=None, keep=()):
     """One optimizer step on the step's rollouts (every learner holds all of them): group
     advantages, the optional filters, this learner's shard in micro-batches, then clip
     and step. `stop()` may drop the step between micro-batches (Learner.forward_backward).
+    `keep`: indices of rollouts (the same on every learner) that get the learner's
+    per-token log-probs in learner_logprobs, for samples.jsonl (None where not trained).
     Returns (this learner's metric sums: counts and per-token sums, its maxima, the grad
     norm)."""
     objective = objective or bind_objective(cfg)
+    for i in keep:
+        rollouts[i].keep_logprobs = True
     G = cfg.group_size
     rewards = torch.tensor([c.reward for c in rollouts])  # [prompts * G]
     if cfg.overlong == "penalty":
@@ -327,6 +333,8 @@ def train_step(cfg, learner, rollouts, rank, stop=None, objective=None):
         )
 
     sums, token_sums, maxima = learner.forward_backward(mine, loss_fn, cfg.temperature, stop)
+    if keep and cfg.learners > 1:
+        share_kept_logprobs([rollouts[i] for i in keep], learner.device)
     if batch:
         grad_norm = learner.clip_grad_and_step(cfg.max_grad_norm)
     else:  # every group dropped: no step at all, on any learner (they all see the same batch)
@@ -338,6 +346,27 @@ def train_step(cfg, learner, rollouts, rank, stop=None, objective=None):
     sums["positions"] = sum(len(mb) * max(map(sequence_length, mb)) for mb in mine if mb)
     sums["padding"] = sums["positions"] - sum(sequence_length(c) for mb in mine for c in mb)
     return sums, token_sums, maxima, grad_norm
+
+
+def share_kept_logprobs(kept, device):
+    """Every learner gets the kept rollouts' learner log-probs, which only the learner that
+    trained each one computed: one all-reduce of a flat tensor whose layout all learners
+    know (they hold the same rollouts), so it costs a collective only on logged steps."""
+    lengths = [len(c.token_ids) for c in kept]
+    flat = torch.zeros(sum(lengths) + len(kept), dtype=torch.float64)  # the values, then a flag per rollout
+    start = 0
+    for j, c in enumerate(kept):
+        if c.learner_logprobs is not None:
+            flat[start : start + lengths[j]] = torch.tensor(c.learner_logprobs, dtype=torch.float64)
+            flat[sum(lengths) + j] = 1
+        start += lengths[j]
+    flat = flat.to(device)
+    torch.distributed.all_reduce(flat)
+    values, trained = flat[: sum(lengths)].tolist(), flat[sum(lengths) :].tolist()
+    start = 0
+    for j, c in enumerate(kept):
+        c.learner_logprobs = values[start : start + lengths[j]] if trained[j] else None
+        start += lengths[j]
 
 
 def step_counts(batch):

@@ -60,6 +60,7 @@ from episodes import check_env_failures, run_episodes, start_env
 from evals import evaluate, write_samples
 from grpo import Rollout, bind_objective, train_step
 from models import text_to_checkpoint, weight_plan
+from report import write_report_safely, write_run_info
 from rewards import check_failures, parse_reward_spec, score_batch
 from tiny import build_tiny_model, tiny_model_dir
 from tools import load_tools
@@ -220,6 +221,8 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         )
         (console.warn if "WARNING" in memory else console.log.info)(memory)
     tokenizer = load_tokenizer(path) if rank == 0 else None  # saved beside every checkpoint
+    if rank == 0:
+        write_run_info(cfg, path)  # the config, the model folder and the machine, for report.html
     objective = bind_objective(cfg)  # its parameters resolved once per run
     first = checkpoint.start_step(cfg)
     if cfg.resume:
@@ -280,6 +283,7 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         evals = metrics.merge_evals(reports)
         if rank == 0:
             write_samples(cfg.out_dir, step, reports)
+            write_report_safely(cfg.out_dir, console.warn)  # with this eval's samples
         if rank == 0:
             console.say(metrics.eval_line(step, evals))
         return {**timing, "eval_s": time.time() - t1, **evals}
@@ -299,10 +303,17 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
             extra = sync(step, row)
         rollouts = [c for r in reports for c in r["rollouts"]]
         lr = learner.schedule.get_last_lr()[0]
+        keep = metrics.sample_indices(cfg, step, len(rollouts))  # samples.jsonl's, with the learner's log-probs
         t3 = time.time()
         try:  # a signal drops the step between two micro-batches, on every learner alike
             sums, token_sums, maxima, grad_norm = train_step(
-                cfg, learner, rollouts, rank, stop=lambda: checkpoint.stop_agreed(device), objective=objective
+                cfg,
+                learner,
+                rollouts,
+                rank,
+                stop=lambda: checkpoint.stop_agreed(device),
+                objective=objective,
+                keep=keep,
             )
         except checkpoint.Preempted:
             if not syncs_before_sampling(cfg, step + 1, first):
@@ -322,14 +333,8 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         row["skipped"] = int(skips > 0)
         if rank == 0:
             write_row(row)
-            if cfg.samples_every and step % cfg.samples_every == 0:
-                for c in rollouts[:: cfg.group_size][:4]:
-                    sample = {"step": step, "text": c.text, "reward": c.reward, **c.parts, "truncated": c.truncated}
-                    # the ids as trained: a reader can check them against the tokenizer
-                    sample.update(prompt_ids=c.prompt_ids, token_ids=c.token_ids)
-                    if cfg.env:  # the whole transcript, and which ids the model drew
-                        sample.update(turns=c.turns, model_mask=c.model_mask)
-                    samples_log.write(json.dumps(sample) + "\n")
+            if keep:
+                samples_log.writelines(json.dumps(metrics.sample_row(step, i, rollouts[i], cfg)) + "\n" for i in keep)
                 samples_log.flush()
             bar.update()
             bar.set_postfix_str(
@@ -352,6 +357,8 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
         curves = metrics.plot(cfg.out_dir)
         if curves:
             console.say(f"curves: {curves}")
+        if page := write_report_safely(cfg.out_dir, console.warn):
+            console.say(f"report: {page}")
 
 
 def sync_plan(cfg, path, engine_dtype, kept_dtypes):

@@ -309,6 +309,10 @@ class Learner:
                     with torch.no_grad():
                         teacher_logp = self.token_logprobs(self.teacher, ids, attention, temperature, entropy=False)[0]
                 loss, stats = loss_fn(logp, sampler_logp, advantages, mask, ref_logp, teacher_logp)
+                for i, r in enumerate(rollouts):  # samples.jsonl's few: one host copy each, on logged steps
+                    if r.keep_logprobs:
+                        p = len(r.prompt_ids)
+                        r.learner_logprobs = logp[i, p - 1 : p - 1 + len(r.token_ids)].detach().float().tolist()
             scaled = loss * self.grad_scale
             with record_function("backward"):
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()

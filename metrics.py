@@ -147,6 +147,33 @@ def episode_metrics(rollouts, reports):
     }
 
 
+SAMPLE_GROUPS = 2  # whole groups per logged step in samples.jsonl
+
+
+def sample_indices(cfg, step, num_rollouts):
+    """The rollouts samples.jsonl keeps at `step`: SAMPLE_GROUPS whole groups, spread over
+    the step (the first group of each share: with two samplers, one from each), so that
+    a reader sees why a group's advantages were what they were. None off logged steps."""
+    if not cfg.samples_every or step % cfg.samples_every:
+        return []
+    groups = num_rollouts // cfg.group_size
+    firsts = sorted({g * groups // SAMPLE_GROUPS for g in range(min(SAMPLE_GROUPS, groups))})
+    return [f * cfg.group_size + j for f in firsts for j in range(cfg.group_size)]
+
+
+def sample_row(step, index, c, cfg):
+    """One line of samples.jsonl: the completion, its rewards and advantage, the ids as
+    trained (a reader can check them against the tokenizer) and, per token, the sampler's
+    and the learner's log-probs (rounded to 1e-6: the float32 mismatch is about 1e-5)."""
+    row = {"step": step, "group": index // cfg.group_size, "text": c.text, "reward": c.reward, **c.parts}
+    row.update(truncated=c.truncated, advantage=c.advantage, prompt_ids=c.prompt_ids, token_ids=c.token_ids)
+    row["sampler_logprobs"] = [round(x, 6) for x in c.sampler_logprobs]
+    row["learner_logprobs"] = None if c.learner_logprobs is None else [round(x, 6) for x in c.learner_logprobs]
+    if cfg.env:  # the whole transcript, and which ids the model drew
+        row.update(turns=c.turns, model_mask=c.model_mask)
+    return row
+
+
 def plot(out_dir):
     """curves.png from metrics.jsonl: reward and accuracies, and seconds per phase."""
     try:

@@ -150,6 +150,8 @@ def drawn(out_dir, step):
     """What a run sampled at `step`: the completions samples.jsonl keeps, and the step's
     totals over all of them."""
     completions = [json.loads(line) for line in open(os.path.join(out_dir, "samples.jsonl"))]
+    for c in completions:  # the learners' log-probs are theirs, of their weights: not what was drawn
+        del c["learner_logprobs"]
     (row,) = [r for r in train_rows(out_dir) if r["step"] == step]
     return [c for c in completions if c["step"] == step], {
         k: row[k] for k in ("reward_mean", "tokens_sampled", "completion_len", "truncated_frac")

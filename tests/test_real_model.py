@@ -95,7 +95,7 @@ def test_prompt_ids_are_the_templates_rendering_and_the_end_of_turn_token_is_tra
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             rendered[text] = tokenizer(text, add_special_tokens=False)["input_ids"]
     samples = [json.loads(line) for line in open(out / "samples.jsonl")]
-    assert len(samples) == 8  # every prompt of both steps
+    assert len(samples) == 8  # two whole groups of each step (metrics.sample_indices)
     for s in samples:
         text = tokenizer.decode(s["prompt_ids"])
         assert text.startswith(f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n")
