@@ -88,7 +88,9 @@ def run_sampler(cfg, path, index, num_samplers, weight_pg, rollout_pg, device, w
     if cfg.tools:  # the prompts show the tools; the environment's workers read the list from GRPO_TOOLS
         fields["tools"] = load_tools(cfg.tools)
         os.environ["GRPO_TOOLS"] = cfg.tools
-    if index == 0 and ("code_tests" in [name for name, _, _ in reward_fns] or "python" in cfg.tools.split(",")):
+    if index == 0 and (
+        "code_tests" in [name for name, _, _ in reward_fns] or "python" in [t.strip() for t in cfg.tools.split(",")]
+    ):
         console.say(sandbox.mode()[1])  # which isolation the model's code runs under, once a job
     prompts = (
         load_prompts(cfg.dataset, cfg.split, tokenizer, cfg.max_prompt_len, reward_fns, **fields) if cfg.steps else []

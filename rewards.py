@@ -1,6 +1,6 @@
 """Scoring: the built-in rewards (the GSM8K task's accuracy and format, gsm8k.py; the code
-task's code_tests, coding.py), user rewards by module:function, and their weighted sum over a batch, with user rewards run in
-worker processes under a timeout.
+task's code_tests, coding.py), user rewards by module:function, and their weighted sum
+over a batch, with user rewards run in worker processes under a timeout.
 
 Every reward has the signature `fn(completion: str, record: dict) -> float`. `record`
 holds every column of the dataset row, plus "prompt" (the user's message text),
@@ -87,7 +87,7 @@ def score_batch(completions, records, reward_fns, step=0, timeout=10.0, workers=
     {reward_errors, reward_timeouts, rewards_failed: completions with a failed call,
     rewards: completions, sandbox_errors: the programs the calls ran in the sandbox that
     ended in an error}, all sums, so the samplers' counts add up."""
-    parts, done, pooled = [{} for _ in completions], [], []
+    parts, done, pooled, sandbox_errors = [{} for _ in completions], [], [], 0
     for i, (completion, record) in enumerate(zip(completions, records)):
         record = {**record, "step": step}
         for k, (name, fn, _) in enumerate(reward_fns):
@@ -102,8 +102,8 @@ def score_batch(completions, records, reward_fns, step=0, timeout=10.0, workers=
             atexit.register(_pools[key].close)
         results = _pools[key].run([call for _, _, call in pooled], timeout)
         done += [(i, name, value, error) for (i, name, _), (value, error, _) in zip(pooled, results)]
-    counts, failed = {"reward_errors": 0, "reward_timeouts": 0}, set()
-    counts["sandbox_errors"] = sum(n for _, _, n in results) if pooled else 0
+        sandbox_errors = sum(n for _, _, n in results)
+    counts, failed = {"reward_errors": 0, "reward_timeouts": 0, "sandbox_errors": sandbox_errors}, set()
     for i, name, value, error in done:
         parts[i][name] = value
         if error:

@@ -76,20 +76,21 @@ def run(code: str, timeout: float = 5.0, **limits) -> dict:
     global stopped
     limits = {**LIMITS, **limits}
     kind, _ = mode()
-    workdir = tempfile.mkdtemp(prefix="sandbox-")
+    # bubblewrap's working folder is its own tmpfs; the fallback's a fresh folder on disk
+    workdir = None if kind == "bubblewrap" else tempfile.mkdtemp(prefix="sandbox-")
     start = time.monotonic()
     out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
     try:
         command = [os.path.realpath(sys.executable), "-I", "-B", "-c", _boot(limits, timeout, kind)]
         if kind == "bubblewrap":
             command = _bwrap(limits) + command
-        env = {**ENV, "HOME": "/tmp" if kind == "bubblewrap" else workdir}
+        env = {**ENV, "HOME": workdir or "/tmp"}
         proc = subprocess.Popen(
             command,
             stdin=subprocess.PIPE,
             stdout=out,
             stderr=err,
-            cwd=workdir,
+            cwd=workdir or "/",
             env=env,
             close_fds=True,
             start_new_session=True,
@@ -109,7 +110,8 @@ def run(code: str, timeout: float = 5.0, **limits) -> dict:
     finally:
         out.close()
         err.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+        if workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
     error = _error(status, stderr, timed_out, timeout, kind)
     stopped += error is not None
     return {"stdout": stdout, "stderr": stderr, "error": error, "seconds": time.monotonic() - start}
