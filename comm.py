@@ -3,10 +3,8 @@ function, launch.sh's layout table), the process groups every rank builds on tor
 store, the pickled exchange of rollouts, the go/stop flag, and both sides of the weight
 sync (the bucket plan that learner 0 and the samplers share, the broadcast, the receive)."""
 
-import ctypes
 import os
 import pickle
-import signal
 import socket
 import subprocess
 from dataclasses import dataclass
@@ -169,16 +167,6 @@ def control(pg, stop, device):
     flag = torch.tensor([int(stop)], dtype=torch.int64, device=device)
     pg.broadcast(flag, 0).wait()
     return bool(flag.item())
-
-
-def die_with_parent():
-    """torchrun starts each rank in a session of its own, so killing torchrun outright
-    (kill -9, an OOM kill) would leave the ranks running on their own. Linux can tie a
-    process's life to its parent's."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: a killed torchrun may leave ranks behind
 
 
 # ---------------------------------------------------------------- the weight sync

@@ -16,15 +16,6 @@ import sys
 import types
 from dataclasses import dataclass
 
-import checkpoint
-from comm import placement
-from data import dataset_error
-from episodes import load_env
-from evals import accuracy_reward
-from models import is_hybrid
-from rewards import parse_reward_spec
-from tools import load_tools
-
 HUB_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"  # the default with a GPU
 
 
@@ -39,7 +30,6 @@ class Config:
     env: str = ""  # an environment for episodes of several turns: module:function (episodes.py); empty: one turn
     max_turns: int = 1  # assistant turns per episode at most; > 1 needs --env or --tools
     tools: str = ""  # a ready environment: the functions the model may call, 'calculator,module:fn' (tools.py)
-    rewards: str = "accuracy,format"  # weighted sum: 'accuracy=1,format=0.5,my.module:fn=2'; fn(completion, record)
     # ---- the step
     learners: int = 1  # ranks 0..learners-1 train; the other ranks sample
     steps: int | None = None  # optimizer steps; None: per model
@@ -85,13 +75,14 @@ class Config:
     sampler_kv_cache_gb: float = 1.0  # vLLM's KV cache size (CPU only)
     sync_bucket_mb: float = 64.0  # weight broadcast bucket size
     timeout_minutes: float = 30.0  # every process group's timeout: how long a rank waits for a stuck peer
-    # ---- rewards
-    # ---- on-policy distillation (grpo.policy_loss)
-    teacher: str = ""  # a teacher (folder or hub name, same tokenizer): its per-token reverse KL joins the advantage
-    distill_coef: float = 1.0  # weight of the teacher's per-token term; --rewards accuracy=0 distils alone
+    # ---- rewards (rewards.py)
+    rewards: str = "accuracy,format"  # weighted sum: 'accuracy=1,format=0.5,my.module:fn=2'; fn(completion, record)
     reward_timeout: float = 10.0  # seconds per user-reward call; a slower call scores 0 and is counted
     reward_workers: int = 1  # processes running user rewards (built-ins run in the sampler)
     max_reward_errors: float = 0.5  # stop when more than this fraction of a step's completions had a reward fail
+    # ---- on-policy distillation (grpo.policy_loss)
+    teacher: str = ""  # a teacher (folder or hub name, same tokenizer): its per-token reverse KL joins the advantage
+    distill_coef: float = 1.0  # weight of the teacher's per-token term; --rewards accuracy=0 distils alone
     # ---- eval, logs and checkpoints
     eval_every: int = 50  # greedy held-out eval every K steps, and at the start and end; 0: never
     eval_dataset: str = ""  # held-out set (its 'test' split); empty: --dataset's
@@ -142,7 +133,7 @@ def field_help():
 
 def parse_config(argv):
     parser = argparse.ArgumentParser(
-        prog="grpo.py", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        prog="job.py", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     helps = field_help()
     for f in dataclasses.fields(Config):
@@ -181,7 +172,7 @@ def fail(message, every_rank=False):
     every rank checks the same flags, so only local rank 0 says why (`every_rank`: a
     check whose answer differs between ranks)."""
     if every_rank or os.environ.get("LOCAL_RANK", "0") == "0":
-        print(f"grpo.py: error: {message}", file=sys.stderr)
+        print(f"job.py: error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -209,18 +200,16 @@ def precision(dtype, has_gpu, cpu_bf16):
     return dtype
 
 
-def resolve(cfg, world_size, has_gpu, cpu_bf16=False):
+def resolve(cfg, world_size, has_gpu, cpu_bf16=False, network=False):
     """Fill every None and check every rule against the world, so that a config that
-    cannot work stops here with the flag's name, before any model loads."""
-    from grpo import bind_objective
-
+    cannot work stops here with the flag's name, before any model loads. `network`:
+    also ask the hub for a hub model (launch.sh's check does, once)."""
     cfg.model = cfg.model or (HUB_MODEL if has_gpu else "tiny")
-    tiny = cfg.model == "tiny"
     if cfg.teacher and cfg.drop_uniform_groups is None:  # a group of equal rewards still learns from the teacher
         cfg.drop_uniform_groups = False
     for name, (for_tiny, for_others) in MODEL_DEFAULTS.items():
         if getattr(cfg, name) is None:
-            setattr(cfg, name, for_tiny if tiny else for_others)
+            setattr(cfg, name, for_tiny if cfg.model == "tiny" else for_others)
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         fail(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
     cfg.dtype = precision(cfg.dtype, has_gpu, cpu_bf16)
@@ -229,11 +218,9 @@ def resolve(cfg, world_size, has_gpu, cpu_bf16=False):
     if cfg.max_tokens_per_microbatch is None:  # room for one whole sequence at least
         cfg.max_tokens_per_microbatch = max(4096, cfg.max_prompt_len + cfg.max_new_tokens)
     cfg.lora_alpha = 2.0 * cfg.lora_rank if cfg.lora_alpha is None else cfg.lora_alpha
-    if cfg.tis_cap and cfg.mismatch == "none":  # the shorthand
-        cfg.mismatch = "tis"
+    if cfg.tis_cap and cfg.mismatch in ("none", "tis") and cfg.mismatch_high is None:  # the shorthand
+        cfg.mismatch, cfg.mismatch_high = "tis", cfg.tis_cap
     low, high = MISMATCH_BANDS.get(cfg.mismatch, (None, None))
-    if cfg.mismatch == "tis" and cfg.tis_cap:
-        high = cfg.tis_cap
     cfg.mismatch_low = low if cfg.mismatch_low is None else cfg.mismatch_low
     cfg.mismatch_high = high if cfg.mismatch_high is None else cfg.mismatch_high
     if cfg.eval_only:
@@ -242,40 +229,20 @@ def resolve(cfg, world_size, has_gpu, cpu_bf16=False):
         cfg.env = TOOLS_ENV
     if cfg.eval_temperature is None:
         cfg.eval_temperature = 0.0 if cfg.eval_samples == 1 else cfg.temperature
-    for ok, message in rules(cfg, world_size, has_gpu):
-        if not ok:
-            fail(message)
-    for flag, check in [
-        ("objective", lambda: bind_objective(cfg)),
-        ("rewards", lambda: parse_reward_spec(cfg.rewards)),
-        ("eval-samples", lambda: answers_read(cfg)),
-        ("env", lambda: cfg.env and load_env(cfg.env)),
-        ("tools", lambda: cfg.tools and load_tools(cfg.tools)),
-    ]:
-        try:
-            check()
-        except ValueError as e:
-            fail(f"--{flag}: {e}")
-    if cfg.resume:
-        try:
-            cfg.resume = checkpoint.find_checkpoint(cfg.resume, cfg.out_dir)
-        except ValueError as e:
-            fail(f"--resume: {e}")
-    return cfg
+    for section in RULES:
+        for ok, message in section(cfg, world_size, has_gpu):
+            if not ok:
+                fail(message)
+    return check_loadable(cfg, has_gpu, network)
 
 
-def answers_read(cfg):
-    """pass@k and maj@n need to know which samples are right: a reward with `fn.answer`."""
-    if cfg.eval_samples > 1 and not accuracy_reward(parse_reward_spec(cfg.rewards)):
-        raise ValueError(
-            f"pass@k and maj@n need a reward in --rewards that declares the answer it reads (fn.answer), as accuracy does; got {cfg.rewards!r}"
-        )
+# ---------------------------------------------------------------- the rules, by Config's sections
+# Each yields (holds, the one line that says why not); resolve stops at the first that
+# fails, so a rule may count on those before it. None of them loads anything.
 
 
-def rules(cfg, world_size, has_gpu):
-    """(holds, the one line that says why not), rule by rule; resolve stops at the first
-    that fails, so a rule may count on those before it."""
-    samplers, seq = world_size - cfg.learners, cfg.max_prompt_len + cfg.max_new_tokens
+def step_rules(cfg, world_size, has_gpu):
+    samplers = world_size - cfg.learners
     yield cfg.learners >= 1, f"--learners must be at least 1, got {cfg.learners}"
     yield (
         samplers >= 1,
@@ -294,26 +261,18 @@ def rules(cfg, world_size, has_gpu):
         cfg.max_staleness in (0, 1),
         f"--max-staleness must be 0 or 1, got {cfg.max_staleness}: rollouts travel over blocking collectives, so the samplers run at most one step ahead",
     )
-    yield (
-        cfg.max_tokens_per_microbatch == 0 or cfg.max_tokens_per_microbatch >= seq,
-        f"--max-tokens-per-microbatch {cfg.max_tokens_per_microbatch} cannot hold one sequence of --max-prompt-len + --max-new-tokens ({seq}) tokens",
-    )
-    for name, low in [
-        ("steps", 0),
-        ("micro_batch_size", 1),
-        ("max_tokens_per_microbatch", 0),
-        ("logprob_chunk", 0),
-        ("max_new_tokens", 1),
-        ("max_prompt_len", 1),
-        ("lora_rank", 0),
-        ("reward_workers", 1),
-    ]:
-        yield getattr(cfg, name) >= low, f"--{name.replace('_', '-')} must be at least {low}, got {getattr(cfg, name)}"
+    yield from at_least(cfg, steps=0, max_new_tokens=1, max_prompt_len=1)
     yield cfg.temperature > 0, f"--temperature must be positive for sampling, got {cfg.temperature}"
+    yield bool(cfg.prompt_field), "--prompt-field must name a dataset column"
+    yield cfg.max_turns >= 1, f"--max-turns must be at least 1, got {cfg.max_turns}"
+    yield not cfg.tools or cfg.env == TOOLS_ENV, "--tools is an environment of its own: give --tools or --env"
     yield (
-        not cfg.compile or has_gpu or any(shutil.which(c) for c in ("g++", "c++", "clang++")),
-        "--compile on a CPU needs a C++ compiler (g++ or clang++) for torch.compile's kernels: install one or drop it",
+        bool(cfg.env) == (cfg.max_turns > 1),
+        "--env (or --tools) and --max-turns go together: an environment needs --max-turns 2 or more, and more turns need one",
     )
+
+
+def objective_rules(cfg, world_size, has_gpu):
     yield (
         cfg.lr >= 0 and cfg.epsilon > 0 and cfg.epsilon_high >= cfg.epsilon,
         "--lr must be >= 0, --epsilon > 0 and --epsilon-high >= --epsilon",
@@ -338,21 +297,34 @@ def rules(cfg, world_size, has_gpu):
             0 <= low <= 1 <= high,
             f"--mismatch {cfg.mismatch}'s band must hold 1: 0 <= --mismatch-low ({low}) <= 1 <= --mismatch-high ({high})",
         )
+    yield from one_of(
+        cfg,
+        loss_type=LOSS_TYPES,
+        scale=SCALES,
+        importance=("token", "sequence"),
+        overlong=("none", "mask", "penalty"),
+    )
+
+
+def memory_rules(cfg, world_size, has_gpu):
+    seq = cfg.max_prompt_len + cfg.max_new_tokens
+    yield (
+        cfg.max_tokens_per_microbatch == 0 or cfg.max_tokens_per_microbatch >= seq,
+        f"--max-tokens-per-microbatch {cfg.max_tokens_per_microbatch} cannot hold one sequence of --max-prompt-len + --max-new-tokens ({seq}) tokens",
+    )
+    yield from at_least(cfg, micro_batch_size=1, max_tokens_per_microbatch=0, logprob_chunk=0, lora_rank=0)
+    yield (
+        not cfg.compile or has_gpu or any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+        "--compile on a CPU needs a C++ compiler (g++ or clang++) for torch.compile's kernels: install one or drop it",
+    )
     yield (
         not cfg.lora_rank or any(cfg.lora_targets.split(",")),
         "--lora-targets must name at least one linear layer, e.g. q_proj,v_proj",
     )
-    for name, allowed in [
-        ("loss_type", LOSS_TYPES),
-        ("scale", SCALES),
-        ("importance", ("token", "sequence")),
-        ("overlong", ("none", "mask", "penalty")),
-    ]:
-        value = getattr(cfg, name)
-        yield value in allowed, f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, got {value!r}"
-    for name in ("dataset", "eval_dataset"):
-        error = getattr(cfg, name) and dataset_error(getattr(cfg, name))
-        yield not error, f"--{name.replace('_', '-')}: {error}"
+
+
+def reward_rules(cfg, world_size, has_gpu):
+    yield from at_least(cfg, reward_workers=1)
     yield (
         cfg.reward_timeout > 0,
         f"--reward-timeout must be > 0 seconds (a hung reward must not stall a sampler), got {cfg.reward_timeout}",
@@ -361,39 +333,21 @@ def rules(cfg, world_size, has_gpu):
         0 <= cfg.max_reward_errors <= 1,
         f"--max-reward-errors is a fraction in [0, 1], got {cfg.max_reward_errors}",
     )
-    yield bool(cfg.prompt_field), "--prompt-field must name a dataset column"
-    yield cfg.max_turns >= 1, f"--max-turns must be at least 1, got {cfg.max_turns}"
-    yield not cfg.tools or cfg.env == TOOLS_ENV, "--tools is an environment of its own: give --tools or --env"
-    yield (
-        bool(cfg.env) == (cfg.max_turns > 1),
-        "--env (or --tools) and --max-turns go together: an environment needs --max-turns 2 or more, and more turns need one",
-    )
+    if cfg.teacher:
+        yield (
+            not cfg.drop_uniform_groups,
+            "--teacher with --drop-uniform-groups would drop groups of equal rewards that still learn from the teacher: use --no-drop-uniform-groups",
+        )
+        yield cfg.distill_coef > 0, f"--distill-coef must be > 0 with a --teacher, got {cfg.distill_coef}"
+
+
+def output_rules(cfg, world_size, has_gpu):
     yield cfg.eval_samples >= 1, f"--eval-samples must be at least 1, got {cfg.eval_samples}"
     yield (
         cfg.eval_temperature > 0 or cfg.eval_samples == 1,
         f"--eval-samples {cfg.eval_samples} at --eval-temperature 0 would draw one greedy completion {cfg.eval_samples} times: give a temperature > 0",
     )
     yield cfg.eval_temperature >= 0, f"--eval-temperature must be >= 0, got {cfg.eval_temperature}"
-    error = cfg.model != "tiny" and model_folder_error(cfg.model)
-    yield not error, f"--model {cfg.model}: {error}"
-    if cfg.teacher:
-        error = model_folder_error(cfg.teacher)
-        yield not error, f"--teacher {cfg.teacher}: {error}"
-        yield (
-            not cfg.drop_uniform_groups,
-            "--teacher with --drop-uniform-groups would drop groups of equal rewards that still learn from the teacher: use --no-drop-uniform-groups",
-        )
-        yield cfg.distill_coef > 0, f"--distill-coef must be > 0 with a --teacher, got {cfg.distill_coef}"
-        error = teacher_tokenizer_error(cfg.model, cfg.teacher)
-        yield not error, f"--teacher {cfg.teacher}: {error}"
-    yield (
-        has_gpu
-        or cfg.model == "tiny"
-        or cfg.dtype != "float32"
-        or not os.path.isdir(cfg.model)  # a hub model's config is not fetched here
-        or not is_hybrid(cfg.model),
-        "--dtype float32: vLLM's CPU kernel for this model's linear-attention layers runs only in bf16 ('CPU GDN attention requires BF16'); use --dtype bfloat16",
-    )
     yield (
         cfg.report_to in ("", "wandb", "tensorboard"),
         f"--report-to must be wandb or tensorboard, got {cfg.report_to!r}",
@@ -408,8 +362,83 @@ def rules(cfg, world_size, has_gpu):
     )
 
 
+RULES = (step_rules, objective_rules, memory_rules, reward_rules, output_rules)
+
+
+def at_least(cfg, **lows):
+    for name, low in lows.items():
+        yield getattr(cfg, name) >= low, f"--{name.replace('_', '-')} must be at least {low}, got {getattr(cfg, name)}"
+
+
+def one_of(cfg, **allowed):
+    for name, values in allowed.items():
+        value = getattr(cfg, name)
+        yield value in values, f"--{name.replace('_', '-')} must be one of {', '.join(values)}, got {value!r}"
+
+
+# ---------------------------------------------------------------- what the flags name
+
+
+def check_loadable(cfg, has_gpu, network=False):
+    """What the flags name must exist and load: the user's code (objective, rewards,
+    environment, tools), the datasets, the model folders and the checkpoint to resume,
+    which becomes a path; with `network`, a hub model must be in the cache or on the hub.
+    The project's modules are imported here, not at import, so config.py stands alone."""
+    import checkpoint
+    from data import dataset_error
+    from episodes import load_env
+    from evals import accuracy_reward
+    from grpo import bind_objective
+    from models import is_hybrid
+    from rewards import parse_reward_spec
+    from tools import load_tools
+
+    for name in ("dataset", "eval_dataset"):
+        if error := getattr(cfg, name) and dataset_error(getattr(cfg, name)):
+            fail(f"--{name.replace('_', '-')}: {error}")
+    for flag, model in [("model", cfg.model if cfg.model != "tiny" else ""), ("teacher", cfg.teacher)]:
+        if model and (error := model_folder_error(model)):
+            fail(f"--{flag} {model}: {error}")
+    if cfg.teacher and (error := teacher_tokenizer_error(cfg.model, cfg.teacher)):
+        fail(f"--teacher {cfg.teacher}: {error}")
+    # a hub model's config is not fetched here
+    if not has_gpu and cfg.dtype == "float32" and os.path.isdir(cfg.model) and is_hybrid(cfg.model):
+        fail(
+            "--dtype float32: vLLM's CPU kernel for this model's linear-attention layers runs only in bf16 ('CPU GDN attention requires BF16'); use --dtype bfloat16"
+        )
+    for flag, check in [
+        ("objective", lambda: bind_objective(cfg)),
+        ("rewards", lambda: parse_reward_spec(cfg.rewards)),
+        ("eval-samples", lambda: answers_read(cfg, accuracy_reward(parse_reward_spec(cfg.rewards)))),
+        ("env", lambda: cfg.env and load_env(cfg.env)),
+        ("tools", lambda: cfg.tools and load_tools(cfg.tools)),
+    ]:
+        try:
+            check()
+        except ValueError as e:
+            fail(f"--{flag}: {e}")
+    if cfg.resume:
+        try:
+            cfg.resume = checkpoint.find_checkpoint(cfg.resume, cfg.out_dir)
+        except ValueError as e:
+            fail(f"--resume: {e}")
+    if network and cfg.model != "tiny" and not os.path.isdir(cfg.model) and (error := hub_model_error(cfg.model)):
+        fail(f"--model {cfg.model}: {error}")
+    return cfg
+
+
+def answers_read(cfg, accuracy):
+    """pass@k and maj@n need to know which samples are right: a reward with `fn.answer`."""
+    if cfg.eval_samples > 1 and not accuracy:
+        raise ValueError(
+            f"pass@k and maj@n need a reward in --rewards that declares the answer it reads (fn.answer), as accuracy does; got {cfg.rewards!r}"
+        )
+
+
 def check_placement(cfg, world_size, local_world_size, node, gpus):
     """Every local rank's placement on this node, as launch.sh's check runs it."""
+    from comm import placement
+
     for local in range(local_world_size):
         try:
             placement(

@@ -9,8 +9,10 @@ The redirection is at the file-descriptor level, so that output written below Py
 rank started with (torchrun's, which launch.sh leaves on the terminal). Light on
 purpose: no torch import, so tiny.py and the flag check can use it."""
 
+import ctypes
 import logging
 import os
+import signal
 import sys
 import traceback
 from datetime import timedelta
@@ -41,6 +43,11 @@ def stream():
     return _state["console"] or sys.stderr
 
 
+def progress_bar(first, total):
+    """Rank 0's progress bar over the steps, on the console."""
+    return tqdm(initial=first, total=total, desc="grpo", file=stream(), bar_format=BAR)
+
+
 def say(text):
     """A line (or a few) on the console, above a progress bar if one is shown there."""
     try:
@@ -56,6 +63,17 @@ def warn(text):
     """A warning that matters to the user: in this rank's log, and on the console from
     the ranks setup() gave the console's warnings to."""
     log.warning(text)
+
+
+_warned = set()
+
+
+def warn_once(key, text):
+    """warn(text) the first time `key` comes, once a process: a failure that repeats every
+    step is said once, then only counted."""
+    if key not in _warned:
+        _warned.add(key)
+        warn(text)
 
 
 class _ConsoleHandler(logging.Handler):
@@ -146,6 +164,16 @@ def _stop_bars(close):
         if close:
             bar.close()
         bar.disable = True
+
+
+def die_with_parent():
+    """Tie this process's life to its parent's (Linux's PR_SET_PDEATHSIG): torchrun starts
+    each rank in a session of its own, so a torchrun killed outright (kill -9, an OOM kill)
+    would leave its ranks running, and a rank killed so would leave its reward workers."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # not Linux: a killed parent may leave its children behind
 
 
 class Failures:

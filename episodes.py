@@ -28,10 +28,10 @@ import atexit
 import functools
 import time
 
-from console import warn
-from rewards import TIMEOUT, RewardPool, load_function
-
-_reported = set()
+from console import warn_once
+from grpo import Rollout
+from plugins import load_function
+from rewards import TIMEOUT, RewardPool
 
 STAND_IN = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]  # for message_ids
 
@@ -90,14 +90,14 @@ def env_message(fn, reply):
     raise ValueError(f"an environment returns None, a string or {{'role', 'content'}}, got {type(reply).__name__}")
 
 
-def run_episodes(engine, prompts, n, cfg, temperature, key, tokenizer=None, env=None, env_pool=None):
-    """n episodes per prompt, in prompt order (each prompt's n contiguous), as dicts of
-    Rollout's fields plus "turns" (the conversation) and "model_mask" (1 on the ids the
-    model drew); and counts: env errors, timeouts, programs a tool ran that ended in an
+def run_episodes(engine, prompts, n, temperature, key, cfg, tokenizer=None, env=None, env_pool=None):
+    """n episodes per prompt, in prompt order (each prompt's n contiguous), as Rollouts
+    with their "turns" (the conversation) and "model_mask" (1 on the ids the model drew);
+    and counts: episodes, env errors, timeouts, programs a tool ran that ended in an
     error in the sandbox, seconds. With --max-turns 1 (no env) it is one engine.sample,
     as a single-turn run has always been."""
     first = engine.sample([p["prompt_ids"] for p in prompts], n, cfg.max_new_tokens, temperature, key)
-    counts = {"env_errors": 0, "env_timeouts": 0, "sandbox_errors": 0, "env_s": 0.0}
+    counts = {"episodes": len(first), "env_errors": 0, "env_timeouts": 0, "sandbox_errors": 0, "env_s": 0.0}
     episodes = []
     for i, c in enumerate(first):
         record = prompts[i // n]
@@ -120,14 +120,10 @@ def run_episodes(engine, prompts, n, cfg, temperature, key, tokenizer=None, env=
             except ValueError as problem:
                 kind = "env_timeouts" if error == TIMEOUT else "env_errors"
                 counts[kind] += 1
-                if kind not in _reported:  # the first of each kind, once a run
-                    _reported.add(kind)
-                    what = (
-                        f"ran past --reward-timeout {cfg.reward_timeout:g} s"
-                        if error == TIMEOUT
-                        else f"failed:\n{problem}"
-                    )
-                    warn(f"environment {cfg.env} {what} (the episode ends; counted as {kind})")
+                what = (
+                    f"ran past --reward-timeout {cfg.reward_timeout:g} s" if error == TIMEOUT else f"failed:\n{problem}"
+                )
+                warn_once(kind, f"environment {cfg.env} {what} (the episode ends; counted as {kind})")
                 continue
             if message is None:
                 continue
@@ -153,19 +149,4 @@ def run_episodes(engine, prompts, n, cfg, temperature, key, tokenizer=None, env=
             e["turns"].append({"role": "assistant", "content": a["text"]})
             e["text"], e["truncated"] = a["text"], a["truncated"]
         live = [e for e in asked if not e["truncated"]]
-    for e in episodes:
-        del e["record"]
-    return episodes, counts
-
-
-def check_env_failures(counts, episodes, max_fraction, step):
-    """Stop the run (SystemExit, one line) when more than `max_fraction` (--max-reward-errors)
-    of a step's episodes had the environment fail: a broken environment must not train
-    on cut-short episodes for hours."""
-    failed = counts["env_errors"] + counts["env_timeouts"]
-    if episodes and failed > max_fraction * episodes:
-        raise SystemExit(
-            f"environment: step {step}: {failed} of {episodes} episodes ended on an environment failure "
-            f"({counts['env_errors']} errors, {counts['env_timeouts']} timeouts), more than --max-reward-errors "
-            f"{max_fraction:g}; the first failure is printed above"
-        )
+    return [Rollout(**{k: v for k, v in e.items() if k != "record"}) for e in episodes], counts

@@ -61,10 +61,10 @@ def evaluate(episodes, eval_prompts, share, cfg, reward_fns, step):
     every sample, for evals/."""
     n, prompts = cfg.eval_samples, [eval_prompts[i] for i in share]
     completions, _ = episodes(prompts, n, cfg.eval_temperature, (cfg.seed, "eval"))
-    records = [{**prompts[i // n], "turns": c["turns"]} for i, c in enumerate(completions)]
-    texts = [c["text"] for c in completions]
+    records = [{**prompts[i // n], "turns": c.turns} for i, c in enumerate(completions)]
+    texts = [c.text for c in completions]
     totals, parts, _ = score_batch(texts, records, reward_fns, step, cfg.reward_timeout, cfg.reward_workers)
-    out = {"n": len(prompts), "length": sum(len(c["token_ids"]) for c in completions) / n, "reward": sum(totals) / n}
+    out = {"n": len(prompts), "length": sum(len(c.token_ids) for c in completions) / n, "reward": sum(totals) / n}
     out.update({name: sum(p[name] for p in parts) / n for name, _, _ in reward_fns})
     accuracy = accuracy_reward(reward_fns)
     answers = [accuracy[1].answer(t) for t in texts] if accuracy else [None] * len(texts)
@@ -80,8 +80,8 @@ def evaluate(episodes, eval_prompts, share, cfg, reward_fns, step):
     out["samples"] = [
         {"index": share[i // n], "sample": i % n, "prompt": records[i]["prompt"], "completion": t}
         | {"answer": None if a is None else str(a), "reward": r, **p}
-        | {"token_ids": completions[i]["token_ids"]}  # the report shows them token by token
-        | ({"turns": records[i]["turns"], "model_mask": completions[i]["model_mask"]} if cfg.env else {})
+        | {"token_ids": completions[i].token_ids}  # the report shows them token by token
+        | ({"turns": records[i]["turns"], "model_mask": completions[i].model_mask} if cfg.env else {})
         for i, (t, a, r, p) in enumerate(zip(texts, answers, totals, parts))
     ]
     return out

@@ -31,11 +31,12 @@ from the flags of those names); aggregation, the KL and the mismatch correction 
 around it, the same for every objective. The job that runs this (the two roles, the weight sync) is job.py."""
 
 import functools
-import importlib
 import inspect
 from dataclasses import dataclass, field
 
 import torch
+
+from plugins import load_function
 
 
 @dataclass
@@ -141,19 +142,6 @@ sapo.check = lambda tau_pos, tau_neg, **_: None if tau_pos > 0 and tau_neg > 0 e
 OBJECTIVES = {"clip": clip, "cispo": cispo, "sapo": sapo}
 
 
-def load_objective(name):
-    """A built-in objective by name, or a user's by 'module:function'. Raises ValueError."""
-    if name in OBJECTIVES:
-        return OBJECTIVES[name]
-    module, _, attr = name.partition(":")
-    if not attr:
-        raise ValueError(f"unknown objective {name!r}: use one of {', '.join(OBJECTIVES)} or module:function")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot load objective {name!r}: {e}")
-
-
 SHARED_PARAMETERS = ("epsilon", "epsilon_high", "importance")  # flags that several objectives read
 
 
@@ -161,7 +149,7 @@ def bind_objective(cfg):
     """The run's objective with its parameters bound, once per run: each keyword parameter
     takes --objective-args' value, else the flag of the same name (epsilon, epsilon_high,
     importance), else its own default. Raises ValueError naming a bad parameter."""
-    fn = load_objective(cfg.objective)
+    fn = load_function(cfg.objective, "objective", OBJECTIVES)
     params = {n: p for n, p in inspect.signature(fn).parameters.items() if p.kind == p.KEYWORD_ONLY}
     bound = {n: getattr(cfg, n) for n in params if n in SHARED_PARAMETERS}
     for item in filter(None, (a.strip() for a in cfg.objective_args.split(","))):
@@ -392,11 +380,3 @@ def micro_batches(rollouts, max_tokens, max_sequences):
             out.append([])
         out[-1].append(c)
     return out
-
-
-if __name__ == "__main__":  # the job's entry point: `torchrun ... grpo.py FLAGS` runs job.main
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    import job
-
-    record(job.main)()

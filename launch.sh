@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Start a GRPO run with torchrun; every argument is passed on to grpo.py.
+# Start a GRPO run with torchrun; every argument is passed on to job.py.
 #
 #   bash launch.sh                        # GPUs: all of them, Qwen2.5-0.5B on GSM8K; no GPU: the tiny CPU default
-#   bash launch.sh --steps 200 --lr 2e-6  # any grpo.py flag
+#   bash launch.sh --steps 200 --lr 2e-6  # any job.py flag
 #   NPROC=4 LEARNERS=2 bash launch.sh     # ranks on this node, and learners in all
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 bash launch.sh   # on each node
 #   bash launch.sh test [pytest args]     # the test suite (-m "not system": the fast tier)
@@ -84,14 +84,14 @@ if [ -z "${NPROC:-}" ]; then
 fi
 LEARNERS=${LEARNERS:-$(( NPROC * NNODES / 2 > 0 ? NPROC * NNODES / 2 : 1 ))}
 for arg in "$@"; do
-    case "$arg" in -h | --help) exec "$PYTHON" grpo.py --help ;; esac
+    case "$arg" in -h | --help) exec "$PYTHON" job.py --help ;; esac
 done
 
 # A config that cannot work is refused here, once, in one line (exit 2), before torchrun
-# starts a rank: grpo.py's own checks, with this node's layout and no model or store.
+# starts a rank: job.py's own checks, with this node's layout and no model or store.
 # It prints the run's folder, where the logs go.
 OUT_DIR=$(WORLD_SIZE=$(( NPROC * NNODES )) LOCAL_WORLD_SIZE=$NPROC GROUP_RANK=$NODE_RANK LOCAL_RANK=0 \
-    "$PYTHON" grpo.py check --learners "$LEARNERS" "$@") || exit $?
+    "$PYTHON" job.py check --learners "$LEARNERS" "$@") || exit $?
 
 # One node: a free port, so that two jobs on one machine do not collide on torchrun's 29500.
 if [ -z "${MASTER_PORT:-}" ]; then
@@ -104,7 +104,7 @@ TORCHRUN=("$PYTHON" -m torch.distributed.run
     --master-addr "${MASTER_ADDR:-127.0.0.1}"
     --master-port "$MASTER_PORT"
     --nproc-per-node "$NPROC"
-    grpo.py --learners "$LEARNERS" "$@")
+    job.py --learners "$LEARNERS" "$@")
 
 # GRPO_VERBOSE=1: every rank's output and torchrun's own on the console, as they come.
 if [ -n "${GRPO_VERBOSE:-}" ] && [ "${GRPO_VERBOSE}" != 0 ]; then

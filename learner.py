@@ -154,6 +154,27 @@ def device_memory(device, learners):
     return kib("MemAvailable"), kib("VmRSS"), max(1, min(learners, local))
 
 
+def learner_from_config(cfg, path, mesh, device, engine_dtypes):
+    """The run's Learner: its flags, and the dtypes the samplers' engine keeps."""
+    adapters = (cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets.split(",")) if cfg.lora_rank else None
+    return Learner(
+        path,
+        mesh,
+        device,
+        cfg.lr,
+        cfg.weight_decay,
+        cfg.gradient_checkpointing,
+        reference=cfg.beta > 0,
+        warmup_steps=cfg.warmup_steps,
+        compute_dtype=getattr(torch, cfg.dtype),
+        lora=adapters,
+        logprob_chunk=cfg.logprob_chunk,
+        teacher=cfg.teacher,
+        compile=cfg.compile,
+        kept_dtypes=engine_dtypes["kept_dtypes"],
+    )
+
+
 class Learner:
     def __init__(
         self,

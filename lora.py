@@ -120,3 +120,25 @@ def load_base(path):
         if name.endswith(".safetensors"):
             base.update(load_file(os.path.join(path, name)))
     return base
+
+
+def model_adapter_plan(path, rank, alpha, targets):
+    """(name, shape) of the adapters of the model at path, built on the meta device: what
+    an adapter sync sends."""
+    from transformers import AutoConfig, AutoModelForCausalLM  # heavy: not for launch.sh's check
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        add_adapters(model, rank, alpha, targets)
+    return adapter_plan([(n, p.shape) for n, p in model.named_parameters()])
+
+
+def base_for_engine(path):
+    """The base weights a sampler merges the adapters into, under the trained model's
+    names (a composite stores its text model under others, and its vision tower, which
+    the text-only engine lacks, is left out)."""
+    from models import text_to_checkpoint, weight_plan
+
+    stored = load_base(path)
+    names = text_to_checkpoint([n for n, _ in weight_plan(path)], stored)
+    return {n: stored[c] for n, c in names.items() if c in stored}

@@ -13,8 +13,6 @@ backtrack catastrophically."""
 
 import atexit
 import contextlib
-import ctypes
-import importlib
 import json
 import os
 import pickle
@@ -27,27 +25,13 @@ import traceback
 
 import sandbox
 from coding import code_tests
-from console import warn
+from console import die_with_parent, warn_once
 from gsm8k import gsm8k_accuracy, gsm8k_format
+from plugins import load_function
 
 BUILTIN = {"accuracy": gsm8k_accuracy, "format": gsm8k_format, "code_tests": code_tests}
 # Linear-time and never raise (tested), so they need no worker; code_tests runs programs.
 IN_PROCESS = (gsm8k_accuracy, gsm8k_format)
-
-
-def load_function(name, what):
-    """The function 'module:function' names: a user's reward, environment or tool.
-    Raises ValueError, naming `what` it was to be."""
-    module, _, attr = name.partition(":")
-    if not attr:
-        raise ValueError(f"{what} {name!r} is not of the form module:function")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except Exception as e:  # ImportError, AttributeError, or whatever the module raises on import
-        raise ValueError(f"cannot load {what} {name!r}: {e}")
-    if not callable(fn):
-        raise ValueError(f"{what} {name!r} is not a function")
-    return fn
 
 
 def parse_reward_spec(spec):
@@ -60,12 +44,7 @@ def parse_reward_spec(spec):
             weight = float(weight)
         except ValueError:
             raise ValueError(f"reward weight of {name!r} is not a number: {weight!r}")
-        if name in BUILTIN:
-            fn = BUILTIN[name]
-        elif ":" in name:
-            fn = load_function(name, "reward")
-        else:
-            raise ValueError(f"unknown reward {name!r}: use one of {sorted(BUILTIN)} or module:function")
+        fn = load_function(name, "reward", BUILTIN)
         out.append((name, fn, weight))
     if not out:
         raise ValueError("no reward given")
@@ -76,7 +55,7 @@ def parse_reward_spec(spec):
 
 TIMEOUT = "timeout"
 GRACE = 0.5  # seconds past a call's timeout before its worker is killed; a call that returns is judged by its own clock
-_pools, _reported = {}, set()
+_pools = {}
 
 
 def score_batch(completions, records, reward_fns, step=0, timeout=10.0, workers=1):
@@ -109,22 +88,26 @@ def score_batch(completions, records, reward_fns, step=0, timeout=10.0, workers=
         if error:
             failed.add(i)
             counts["reward_timeouts" if error == TIMEOUT else "reward_errors"] += 1
-            if (name, error == TIMEOUT) not in _reported:
-                _reported.add((name, error == TIMEOUT))
-                what = f"ran past --reward-timeout {timeout:g} s" if error == TIMEOUT else f"failed:\n{error.rstrip()}"
-                warn(f"reward {name!r} {what}\n(scored 0; later ones are only counted)")
+            what = f"ran past --reward-timeout {timeout:g} s" if error == TIMEOUT else f"failed:\n{error.rstrip()}"
+            warn_once((name, error == TIMEOUT), f"reward {name!r} {what}\n(scored 0; later ones are only counted)")
     totals = [sum(w * p[name] for name, _, w in reward_fns) for p in parts]
     return totals, parts, {**counts, "rewards_failed": len(failed), "rewards": len(completions)}
 
 
-def check_failures(counts, max_fraction, step):
-    """Stop the run (SystemExit, one clear line) when more than `max_fraction` of a step's
-    completions had a reward call fail: a broken reward must not train on zeros for hours."""
-    if counts["rewards"] and counts["rewards_failed"] > max_fraction * counts["rewards"]:
+def check_failures(counts, max_fraction, step, source="rewards"):
+    """Stop the run (SystemExit, one clear line) when more than `max_fraction`
+    (--max-reward-errors) of a step's completions had a reward call fail, or of its
+    episodes the environment (`source` "environment", episodes.py's counts): a broken
+    reward or environment must not train on zeros or cut-short episodes for hours."""
+    key = "reward" if source == "rewards" else "env"
+    failed = counts["rewards_failed"] if key == "reward" else counts["env_errors"] + counts["env_timeouts"]
+    total = counts["rewards"] if key == "reward" else counts["episodes"]
+    what = "completions had a reward fail" if key == "reward" else "episodes had the environment fail"
+    if total and failed > max_fraction * total:
         raise SystemExit(
-            f"rewards: step {step}: {counts['rewards_failed']} of {counts['rewards']} completions had a reward fail "
-            f"({counts['reward_errors']} errors, {counts['reward_timeouts']} timeouts), more than --max-reward-errors "
-            f"{max_fraction:g}; the first failure of each reward is printed above"
+            f"{source}: step {step}: {failed} of {total} {what} ({counts[f'{key}_errors']} errors, "
+            f"{counts[f'{key}_timeouts']} timeouts), more than --max-reward-errors {max_fraction:g}; "
+            "the first failure of each is printed above"
         )
 
 
@@ -214,10 +197,7 @@ class RewardPool:
 
 def _serve(spec, raw=False):
     """A worker's loop: load the rewards, then answer calls until stdin closes."""
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the caller, even mid-call
-    except Exception:
-        pass
+    die_with_parent()  # with the caller, even mid-call
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the caller, which ends its workers
     calls, out = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # a reward that reads stdin or prints cannot touch the calls

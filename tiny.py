@@ -5,6 +5,7 @@ tokenizer, built once per machine, and its supervised format warm-up (its
 import os
 import random
 import shutil
+import time
 
 from data import build_prompts, synthetic_problem
 
@@ -21,6 +22,20 @@ def tiny_model_dir():
     root = os.environ.get("GRPO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "grpo"))
     tag = "-".join(str(v) for v in TINY.values())
     return os.path.join(root, f"tiny-qwen2-{tag}-v{TINY_VERSION}")
+
+
+def model_path(model, local_rank):
+    """The folder of --model; the tiny model is built once per machine, by local rank 0,
+    while the other ranks wait for it."""
+    if model != "tiny":
+        return model
+    path = tiny_model_dir()
+    if not os.path.exists(path):
+        if local_rank == 0:
+            build_tiny_model(path)
+        while not os.path.exists(path):
+            time.sleep(0.2)
+    return path
 
 
 def build_tiny_tokenizer():

@@ -21,7 +21,7 @@ import os
 import re
 
 import sandbox
-from rewards import load_function
+from plugins import load_function
 
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean"}

@@ -4,7 +4,7 @@
 # GPU for 3 steps, then a 2-step on-policy run, and prints one PASS/FAIL line per check
 # and the figures. About 5-8 minutes on one 80-140 GB GPU, most of it install and download.
 #
-#   bash benchmarks/gpu_check.sh [extra grpo.py flags]
+#   bash benchmarks/gpu_check.sh [extra job.py flags]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_check}

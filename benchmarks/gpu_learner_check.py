@@ -116,7 +116,7 @@ def rank_main():
 
 
 def run(out, *flags):
-    """One 1 + 1 run of grpo.py (the tiny model unless flags name another); its metrics
+    """One 1 + 1 run of job.py (the tiny model unless flags name another); its metrics
     rows (train steps only)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
     cmd += [__file__, "--learners", "1", "--model", "tiny", "--out-dir", out, "--overwrite", *flags]

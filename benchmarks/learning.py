@@ -2,7 +2,7 @@
 model cache (so the tiny model's build and warm-up count), `bash launch.sh`, then the
 held-out greedy accuracy at the start and the end, and the wall time.
 
-    python benchmarks/learning.py [extra grpo.py flags]
+    python benchmarks/learning.py [extra job.py flags]
 """
 
 import json

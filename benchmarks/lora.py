@@ -1,7 +1,7 @@
 """LoRA against full fine-tuning on the CPU default, row by row in one run of this script:
 the held-out greedy accuracy at the end and the wall time of each row, at equal steps.
 
-    python benchmarks/lora.py [--steps 300] [--only NAME,...] [NAME="grpo.py flags" ...]
+    python benchmarks/lora.py [--steps 300] [--only NAME,...] [NAME="job.py flags" ...]
 
 Without rows it runs the sweep below: full fine-tuning, then LoRA over the learning rate
 (as a multiple of full's 1e-3), the rank, the targets, alpha and the initialisation. A row

@@ -1,7 +1,7 @@
 """A real pretrained model learning under this loop on CPU: SmolLM2-135M-Instruct
 (tests/plugins/smollm2.py) on a task it can score on from its start, in bf16 and in float32.
 
-    python benchmarks/real_model.py [--steps 40] [extra grpo.py flags]
+    python benchmarks/real_model.py [--steps 40] [extra job.py flags]
 
 The task: "Is 14 + 15 = 27? Answer yes or no." Rewards: `yes_no_format`, 1 when the whole
 reply is one word, yes or no (the model does so about a third of the time at first), and

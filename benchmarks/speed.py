@@ -10,7 +10,7 @@
     requests in the same process;
   - sampled and trained tokens/s, and peak memory per role.
 
-    python benchmarks/speed.py [--steps 30] [--model PATH_OR_HUB_NAME] [other grpo.py flags]
+    python benchmarks/speed.py [--steps 30] [--model PATH_OR_HUB_NAME] [other job.py flags]
     python benchmarks/speed.py --precision [--steps 6]
     python benchmarks/speed.py --limit [--steps 10] [--learners 2]
 
@@ -116,12 +116,12 @@ def sampler_against_bare_vllm(grpo_args, repeats=5):
     from comm import visible_gpus
     from config import cpu_has_bf16, parse_config, resolve
     from data import load_prompts
-    from job import model_path
     from sampler import Sampler
+    from tiny import model_path
 
     cfg = resolve(parse_config([*grpo_args, "--overwrite"]), 2, bool(visible_gpus()), cpu_has_bf16())
     engine = Sampler(
-        model_path(cfg, 0),
+        model_path(cfg.model, 0),
         cfg.max_prompt_len + cfg.max_new_tokens,
         cfg.seed,
         cfg.dtype,

@@ -1,6 +1,6 @@
 """A task the tiny model cannot do alone, learned with the calculator (issue 30's check).
 
-    python benchmarks/tool_task.py [--steps 160] [--warmup-steps 1000] [grpo.py flags for both runs]
+    python benchmarks/tool_task.py [--steps 160] [--warmup-steps 1000] [job.py flags for both runs]
 
 The task: "What is 47 multiplied by 8?", "What is 96 divided by 8?" (a 2-digit number
 plus, minus, multiplied by or divided by a digit; results of up to three digits), scored

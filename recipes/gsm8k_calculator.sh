@@ -6,7 +6,7 @@
 # last answer is scored for accuracy and format. --max-new-tokens is the whole episode's
 # budget after the prompt, the tool messages included (README, "Extending").
 #
-#   bash recipes/gsm8k_calculator.sh                    # then any grpo.py flag, e.g. --steps 500
+#   bash recipes/gsm8k_calculator.sh                    # then any job.py flag, e.g. --steps 500
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NPROC=8 LEARNERS=4 exec bash launch.sh \

@@ -2,9 +2,9 @@
 # The seed recipe as one command: Qwen/Qwen3.5-4B on GSM8K, one node of 8 GPUs, 4 learners
 # (FSDP2) and 4 samplers (vLLM, 0.8 of each GPU), 8 prompts x 8 completions of up to 4096
 # new tokens per step, the clipped-ratio loss at epsilon 0.2, accuracy + format rewards.
-# Every other flag keeps grpo.py's default (docs/results.md, "The seed recipe", maps each line).
+# Every other flag keeps job.py's default (docs/results.md, "The seed recipe", maps each line).
 #
-#   bash recipes/qwen3_5_4b_gsm8k.sh                    # then any grpo.py flag, e.g. --steps 500
+#   bash recipes/qwen3_5_4b_gsm8k.sh                    # then any job.py flag, e.g. --steps 500
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch.sh test --version >/dev/null  # builds .venv on a fresh machine

@@ -134,7 +134,7 @@ def refusal(capsys, args, world_size=3):
 
 
 def rank0_env(world_size=3):
-    """The environment torchrun gives rank 0 of a one-node job, for running grpo.py
+    """The environment torchrun gives rank 0 of a one-node job, for running job.py
     directly where a check must fail before any store is reached (port 1: none)."""
     env = {"RANK": "0", "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(world_size)}
     return {**os.environ, **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
@@ -151,13 +151,13 @@ def torchrun_cmd(nproc, *args):
         "127.0.0.1",
         "--master-port",
         str(free_port()),
-        os.path.join(ROOT, "grpo.py"),
+        os.path.join(ROOT, "job.py"),
         *map(str, args),
     ]
 
 
 def torchrun(nproc, *args, timeout=600):
-    """Run grpo.py under real torchrun; returns the CompletedProcess (stdout+stderr in .stdout)."""
+    """Run job.py under real torchrun; returns the CompletedProcess (stdout+stderr in .stdout)."""
     return subprocess.run(
         torchrun_cmd(nproc, *args),
         cwd=ROOT,

@@ -27,7 +27,7 @@ def start(out, *args, exits=None):
     tests/plugins/exit_status.py, which writes its exit status to exits/rank_<RANK>."""
     cmd = torchrun_cmd(3, *FAST, "--out-dir", out, *args)
     if exits is not None:
-        script = cmd.index(os.path.join(ROOT, "grpo.py"))
+        script = cmd.index(os.path.join(ROOT, "job.py"))
         cmd[script:script] = [os.path.join(ROOT, "tests", "plugins", "exit_status.py"), str(exits)]
     return subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -227,7 +227,7 @@ def test_existing_run_is_refused_and_bad_checkpoints_are_named(straight, tmp_pat
 
     def direct(*args):
         return subprocess.run(
-            [sys.executable, os.path.join(ROOT, "grpo.py"), *map(str, [*FAST[:2], "--out-dir", out, *args])],
+            [sys.executable, os.path.join(ROOT, "job.py"), *map(str, [*FAST[:2], "--out-dir", out, *args])],
             env=env,
             capture_output=True,
             text=True,

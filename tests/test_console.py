@@ -130,7 +130,7 @@ def test_a_bad_flag_is_one_line_and_status_2_before_torchrun(tmp_path, args, npr
     )
     assert result.returncode == 2
     lines = (result.stdout + result.stderr).strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("grpo.py: error: ") and flag in lines[0], (
+    assert len(lines) == 1 and lines[0].startswith("job.py: error: ") and flag in lines[0], (
         result.stdout + result.stderr
     )
     assert not out.exists()  # refused before torchrun started a rank (a rank makes the folder)
@@ -140,9 +140,9 @@ def test_a_bad_flag_is_one_line_and_status_2_before_torchrun(tmp_path, args, npr
 def test_help_needs_no_torchrun():
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
     result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "grpo.py"), "--help"], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, os.path.join(ROOT, "job.py"), "--help"], env=env, capture_output=True, text=True, timeout=120
     )
-    assert result.returncode == 0 and result.stdout.startswith("usage: grpo.py") and "--out-dir" in result.stdout
+    assert result.returncode == 0 and result.stdout.startswith("usage: job.py") and "--out-dir" in result.stdout
     # every flag has its field's comment as its help, and --help shows it
     from config import field_help
 

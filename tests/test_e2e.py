@@ -201,7 +201,7 @@ def test_compiled_learners_train_and_keep_the_samplers_numbers(tiny_model, tmp_p
 
 
 def run_direct(*args, world=3, path=None):
-    """grpo.py as rank 0 of a pretend torchrun world: config errors must come out
+    """job.py as rank 0 of a pretend torchrun world: config errors must come out
     before it ever connects to the store or loads a model."""
     env = {
         **os.environ,
@@ -214,7 +214,7 @@ def run_direct(*args, world=3, path=None):
         "MASTER_PORT": "1",
     }
     return subprocess.run(
-        [sys.executable, os.path.join(ROOT, "grpo.py"), *map(str, args)],
+        [sys.executable, os.path.join(ROOT, "job.py"), *map(str, args)],
         env=env,
         capture_output=True,
         text=True,
@@ -247,7 +247,7 @@ def test_config_errors_name_the_flag(args, world, flag):
     result = run_direct(*args, world=world)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("grpo.py: error:") and flag in lines[0], result.stderr
+    assert len(lines) == 1 and lines[0].startswith("job.py: error:") and flag in lines[0], result.stderr
     assert time.time() - start < 60
 
 
@@ -272,7 +272,7 @@ def test_report_to_a_missing_package_fails_at_start(package):
 def test_not_under_torchrun():
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
     result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "grpo.py")], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, os.path.join(ROOT, "job.py")], env=env, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 2 and "torchrun" in result.stderr
 

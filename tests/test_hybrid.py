@@ -304,7 +304,7 @@ def test_a_hybrid_model_in_float32_on_cpu_is_refused_at_start(qwen3_next):
     result = subprocess.run(
         [
             sys.executable,
-            os.path.join(ROOT, "grpo.py"),
+            os.path.join(ROOT, "job.py"),
             "--learners",
             "2",
             "--model",

@@ -115,7 +115,7 @@ def test_plot_from_metrics(tmp_path):
     lines.append({"step": 5, "eval_accuracy": 0.4, "eval_format": 1.0, "eval_length": 10})
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
     result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "grpo.py"), "plot", str(tmp_path)],
+        [sys.executable, os.path.join(ROOT, "job.py"), "plot", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,

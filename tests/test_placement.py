@@ -97,7 +97,7 @@ for i in $(seq 0 $((FAKE_GPUS - 1))); do echo "GPU $i: NVIDIA H100 80GB HBM3 (UU
 @pytest.mark.parametrize("count, visible, expected", [(4, None, 4), (4, "2,3", 2), (2, "-1", 0), (0, "0,1", 0)])
 def test_gpus_are_found_without_the_drivers_proc_folder(tmp_path, count, visible, expected):
     """Where /proc/driver/nvidia/gpus is absent (WSL2, some containers) the driver still
-    answers `nvidia-smi -L`: launch.sh (before any package is installed) and grpo.py
+    answers `nvidia-smi -L`: launch.sh (before any package is installed) and job.py
     count the same GPUs from it, CUDA_VISIBLE_DEVICES still the filter."""
     smi = tmp_path / "bin" / "nvidia-smi"
     smi.parent.mkdir()
@@ -182,7 +182,7 @@ def test_samplers_sharing_a_gpu_split_its_memory():
 
 
 def recipe_flags(path):
-    """The recipe script's environment (NPROC, LEARNERS) and grpo.py flags, read from its
+    """The recipe script's environment (NPROC, LEARNERS) and job.py flags, read from its
     `... exec bash launch.sh \\` command."""
     text = open(path).read().replace("\\\n", " ")
     command = next(line for line in text.splitlines() if "exec bash launch.sh" in line)

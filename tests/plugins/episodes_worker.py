@@ -4,6 +4,7 @@ SmolLM2 on the real engine, with every engine call written down, saved as JSON.
 
     python tests/plugins/episodes_worker.py MODEL OUT.json"""
 
+import dataclasses
 import json
 import os
 import sys
@@ -38,10 +39,11 @@ def main():
     cfg = types.SimpleNamespace(max_new_tokens=120, max_turns=3, reward_timeout=10.0, env="envs:follow_up")
     pool = RewardPool([cfg.env], 1, raw=True)
     try:
-        episodes, counts = run_episodes(engine, prompts, 2, cfg, 1.0, (0, "t"), tokenizer, envs.follow_up, pool)
+        episodes, counts = run_episodes(engine, prompts, 2, 1.0, (0, "t"), cfg, tokenizer, envs.follow_up, pool)
     finally:
         pool.close()
     with open(out, "w") as f:
+        episodes = [dataclasses.asdict(e) for e in episodes]
         json.dump({"prompts": prompts, "calls": calls, "episodes": episodes, "counts": counts}, f)
 
 
