@@ -297,14 +297,7 @@ def train_step(cfg, learner, rollouts, rank, stop=None, objective=None, keep=())
     if cfg.drop_uniform_groups:  # DAPO's dynamic sampling: such groups carry no signal
         groups = [g for g, u in zip(groups, uniform) if not u]
     batch = [c for g in groups for c in g if not (cfg.overlong == "mask" and c.truncated)]
-    # Every learner runs the same number of micro-batches, since each forward is a
-    # collective; a learner with fewer runs empty ones.
-    per_rank = -(-len(batch) // cfg.learners)
-    packs = [
-        micro_batches(batch[r * per_rank : (r + 1) * per_rank], cfg.max_tokens_per_microbatch, cfg.micro_batch_size)
-        for r in range(cfg.learners)
-    ]
-    mine = packs[rank] + [[]] * (max(1, max(map(len, packs))) - len(packs[rank]))
+    mine = learner_share(batch, rank, cfg)
     counts = step_counts(batch)
 
     def loss_fn(logp, sampler_logp, advantages, mask, ref_logp, teacher_logp):
@@ -330,9 +323,7 @@ def train_step(cfg, learner, rollouts, rank, stop=None, objective=None, keep=())
         grad_norm = 0.0
     sums["groups_uniform"] = sum(uniform) if rank == 0 else 0
     sums["groups_dropped"] = sums["groups_uniform"] if cfg.drop_uniform_groups else 0
-    sums["sequences_trained"] = sum(map(len, mine))
-    sums["positions"] = sum(len(mb) * max(map(sequence_length, mb)) for mb in mine if mb)
-    sums["padding"] = sums["positions"] - sum(sequence_length(c) for mb in mine for c in mb)
+    sums.update(sequences_trained=sum(map(len, mine)), **padding_counts(mine))
     return sums, token_sums, maxima, grad_norm
 
 
@@ -355,6 +346,24 @@ def share_kept_logprobs(kept, device):
     for j, c in enumerate(kept):
         c.learner_logprobs = values[start : start + lengths[j]] if trained[j] else None
         start += lengths[j]
+
+
+def learner_share(batch, rank, cfg):
+    """This learner's micro-batches of the step's batch. Every learner runs the same
+    number of them, since each forward is a collective: one with fewer runs empty ones."""
+    per_rank = -(-len(batch) // cfg.learners)
+    packs = [
+        micro_batches(batch[r * per_rank : (r + 1) * per_rank], cfg.max_tokens_per_microbatch, cfg.micro_batch_size)
+        for r in range(cfg.learners)
+    ]
+    return packs[rank] + [[]] * (max(1, max(map(len, packs))) - len(packs[rank]))
+
+
+def padding_counts(micro_batches):
+    """The positions the learner computed on (each micro-batch padded to its longest) and
+    how many of them were padding."""
+    positions = sum(len(mb) * max(map(sequence_length, mb)) for mb in micro_batches if mb)
+    return {"positions": positions, "padding": positions - sum(sequence_length(c) for mb in micro_batches for c in mb)}
 
 
 def step_counts(batch):

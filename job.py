@@ -445,18 +445,7 @@ def main(argv=None):
         print(cfg.out_dir)
         return
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    try:
-        cores = len(os.sched_getaffinity(0))
-        place = placement(rank, local_rank, local_world, world, cfg.learners, gpus, cfg.sampler_gpu_memory, cores)
-    except ValueError as e:
-        fail(str(e), every_rank=True)
-    torch.set_num_threads(place.threads or torch.get_num_threads())  # CPU-only: comm.cpu_threads
-    device = torch.device("cpu")
-    if place.gpu is not None:
-        # Each rank sees only its own GPU, as cuda:0 (vLLM always takes cuda:0).
-        os.environ["CUDA_VISIBLE_DEVICES"] = place.gpu
-        device = torch.device("cuda", 0)
-        torch.cuda.set_device(device)
+    place, device = place_rank(cfg, rank, local_rank, local_world, world, gpus)
     os.makedirs(cfg.out_dir, exist_ok=True)
     role = "learner" if place.learner else "sampler"
     # From here on this rank's output goes to its log, unless GRPO_VERBOSE=1.
@@ -471,40 +460,60 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, checkpoint.on_signal)
     signal.signal(signal.SIGINT, checkpoint.on_signal)
     console.die_with_parent()
-
     with console.Failures(
         cfg.out_dir, rank, role, quiet_exits=(checkpoint.PREEMPTED,), peer_errors=(dist.DistError,)
     ) as failures:
         timeout = timedelta(minutes=cfg.timeout_minutes)
-        failures.store = store = dist.TCPStore(
+        failures.store = dist.TCPStore(
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
         )
-        path = model_path(cfg.model, local_rank)
-        link = Link(
-            rollout=make_group(store, "rollout", rank, world, "gloo", timeout),
-            weights=None,
-            device=device if place.weight_backend == "nccl" else torch.device("cpu"),
+        run_role(cfg, rank, local_rank, world, place, device, failures.store, timeout)
+
+
+def place_rank(cfg, rank, local_rank, local_world, world, gpus):
+    """This rank's placement (comm.placement) and its torch device: on a GPU, each rank
+    sees only its own, as cuda:0 (vLLM always takes cuda:0)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+        place = placement(rank, local_rank, local_world, world, cfg.learners, gpus, cfg.sampler_gpu_memory, cores)
+    except ValueError as e:
+        fail(str(e), every_rank=True)
+    torch.set_num_threads(place.threads or torch.get_num_threads())  # CPU-only: comm.cpu_threads
+    if place.gpu is None:
+        return place, torch.device("cpu")
+    os.environ["CUDA_VISIBLE_DEVICES"] = place.gpu
+    torch.cuda.set_device(torch.device("cuda", 0))
+    return place, torch.device("cuda", 0)
+
+
+def run_role(cfg, rank, local_rank, world, place, device, store, timeout):
+    """The groups of the protocol table on the job's store, then this rank's loop."""
+    path = model_path(cfg.model, local_rank)
+    link = Link(
+        rollout=make_group(store, "rollout", rank, world, "gloo", timeout),
+        weights=None,
+        device=device if place.weight_backend == "nccl" else torch.device("cpu"),
+    )
+    if rank == 0 or not place.learner:
+        weight_rank = 0 if rank == 0 else rank - cfg.learners + 1
+        link.weights = make_group(
+            store, "weights", weight_rank, world - cfg.learners + 1, place.weight_backend, timeout
         )
-        if rank == 0 or not place.learner:
-            weight_rank = 0 if rank == 0 else rank - cfg.learners + 1
-            link.weights = make_group(
-                store, "weights", weight_rank, world - cfg.learners + 1, place.weight_backend, timeout
-            )
-        if place.learner:
-            learner_store = dist.PrefixStore("learner", store)
-            dist.init_process_group(
-                place.learner_backend, store=learner_store, rank=rank, world_size=cfg.learners, timeout=timeout
-            )
-            run_learner(cfg, path, rank, link, device)
-            dist.destroy_process_group()
-        else:
-            # device: its GPU, whose memory it reports, even where weights arrive through host memory
-            run_sampler(cfg, path, rank - cfg.learners, world - cfg.learners, link, device, place.sampler_gpu_memory)
-        # The groups made on the store are shut down here, not left to their destructors
-        # (torch warns of an NCCL group destroyed without it at exit).
-        for pg in (link.weights, link.rollout):
-            if pg is not None:
-                pg.shutdown()
+    if place.learner:
+        learner_store = dist.PrefixStore("learner", store)
+        dist.init_process_group(
+            place.learner_backend, store=learner_store, rank=rank, world_size=cfg.learners, timeout=timeout
+        )
+        run_learner(cfg, path, rank, link, device)
+        dist.destroy_process_group()
+    else:
+        # device: its GPU, whose memory it reports, even where weights arrive through host memory
+        run_sampler(cfg, path, rank - cfg.learners, world - cfg.learners, link, device, place.sampler_gpu_memory)
+    # The groups made on the store are shut down here, not left to their destructors
+    # (torch warns of an NCCL group destroyed without it at exit).
+    for pg in (link.weights, link.rollout):
+        if pg is not None:
+            pg.shutdown()
 
 
 def start_line(cfg, world, local_world, gpus):

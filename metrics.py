@@ -10,11 +10,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from report import read_jsonl
 from tools import CALL
 
 
 def summary(cfg, metrics_path, wall_s):
-    rows = [json.loads(line) for line in open(metrics_path)]
+    rows = read_jsonl(metrics_path)
     train = [r for r in rows if "reward_mean" in r]
     evals = [r for r in rows if "eval_length" in r]
     lines = [
@@ -184,7 +185,7 @@ def plot(out_dir):
     except ImportError:
         print("matplotlib is not installed: no curves.png")
         return None
-    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    rows = read_jsonl(os.path.join(out_dir, "metrics.jsonl"))
     train = [r for r in rows if "reward_mean" in r]
     evals = [r for r in rows if "eval_length" in r]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
@@ -234,9 +235,9 @@ def open_log(path, first_step):
     (which a resumed run writes again)."""
     rows = []
     if first_step and os.path.exists(path):
-        rows = [line for line in open(path) if json.loads(line)["step"] < first_step]
+        rows = [r for r in read_jsonl(path) if r["step"] < first_step]
     with open(path, "w") as f:
-        f.writelines(rows)
+        f.writelines(json.dumps(r) + "\n" for r in rows)
     return open(path, "a")
 
 
