@@ -96,9 +96,8 @@ def cpu_threads(rank, local_rank, local_world_size, learners, cores):
     """Threads for one rank of a CPU-only job on a node with `cores` cores. torchrun gives
     every rank one, which leaves cores idle whenever the ranks are fewer. The learners
     share all the cores: a step is theirs, and the samplers, which draw the next batch
-    while they train, are done within half of it (22.8M model in bf16 on 2 cores, one run:
-    one learner on 2 threads beside a sampler on 1 took 9.7 s a step, two learners on one
-    thread each 11.0 s; docs/results.md). A sampler gets its even share of the node."""
+    while they train, are done well within it (docs/results.md, Speed). A sampler gets
+    its even share of the node."""
     first = rank - local_rank  # the node's first global rank
     learners_here = max(0, min(learners, first + local_world_size) - first)
     if rank < learners:

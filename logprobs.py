@@ -14,10 +14,9 @@ EAGER_MAX_WIDTH = 240
 def attention_kernel(device_type, dtype, width, loaded):
     """The attention transformers runs for one micro-batch of `width` positions. On a CPU
     in bf16, torch's flash-attention kernel is slow in the backward, and transformers'
-    eager attention (bf16 batched matmuls, a float32 softmax) ran forward + backward
-    1.2-2.7x faster at widths 64-240 with head dim 64 (1.1-2.5x at 64-200 with 32, level
-    at 240), 4096 positions per micro-batch (benchmarks/attention.py); from 256 its score
-    tensors outgrow the caches and flash wins. In float32 flash is never slower.
+    eager attention (bf16 batched matmuls, a float32 softmax) runs forward + backward
+    faster up to EAGER_MAX_WIDTH (benchmarks/attention.py; docs/results.md, Speed); wider,
+    its score tensors outgrow the caches and flash wins. In float32 flash is never slower.
     Everywhere else: the implementation the model loaded with (sdpa)."""
     if device_type == "cpu" and dtype == torch.bfloat16 and width <= EAGER_MAX_WIDTH:
         return "eager"

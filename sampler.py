@@ -60,9 +60,9 @@ def engine_options(on_gpu, compile, hybrid, gpu_memory_utilization, kv_cache_gb)
         return {"gpu_memory_utilization": gpu_memory_utilization, "enforce_eager": False, "enable_prefix_caching": True}
     return {
         "kv_cache_memory_bytes": int(kv_cache_gb * 2**30),
-        # Compiling costs seconds to a minute at every start (vLLM's compile cache fails
-        # to reload on a CPU) for 1.1x faster sampling (22.8M model, bf16, 32-token
-        # blocks): only with --compile.
+        # Compiling costs time at every start (vLLM's compile cache fails to reload on a
+        # CPU) for a modest gain in sampling speed (docs/results.md, Speed): only with
+        # --compile.
         "enforce_eager": not compile,
         # vLLM rewinds a seeded request's generator when it throws away the sample of a
         # chunked prefill, and a CPU generator cannot rewind (the engine dies).
@@ -70,9 +70,9 @@ def engine_options(on_gpu, compile, hybrid, gpu_memory_utilization, kv_cache_gb)
         # A hybrid model's prefix cache (vLLM's mamba cache mode 'align', which keeps the
         # recurrent state at block boundaries) requires chunked prefill.
         "enable_prefix_caching": not hybrid,
-        # KV blocks of 32 tokens, not vLLM's CPU default of 128, sample 1.2-1.4x faster
-        # (docs/results.md: the 22.8M, SmolLM2 and tiny models); 32 is the smallest block
-        # its attention kernels take.
+        # KV blocks of 32 tokens, not vLLM's CPU default of 128, sample faster on every
+        # model measured (docs/results.md, Speed); 32 is the smallest block its attention
+        # kernels take.
         "block_size": 32,
     }
 

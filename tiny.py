@@ -61,7 +61,7 @@ def build_tiny_model(path, seed=0, warmup_steps=300, progress=True):
     whose results are random numbers: it then writes well-formed answers at chance
     accuracy, and GRPO has something to improve (its "pretraining"). Written to a
     temporary folder and renamed, so a crash never leaves half a model behind.
-    `progress`: say so on the console, with a bar over the warm-up (about 100 s)."""
+    `progress`: say so on the console, with a bar over the warm-up."""
     import torch
     from tqdm import tqdm
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM

@@ -223,7 +223,8 @@ def main():
     if "--no-memory" in sys.argv or not gpu:
         return
     # Chunked against dense log-probs, gradient checkpointing, then bf16 against float32
-    # on one sequence (float32 attention on 4 x 4096 positions does not fit in 140 GB).
+    # on one sequence (float32 attention on 4 x 4096 positions did not fit on an H200:
+    # docs/results.md, Memory).
     for flags in (
         "--dtype bfloat16 --tokens 16384",
         "--dtype bfloat16 --tokens 16384 --gradient-checkpointing",

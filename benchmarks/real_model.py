@@ -4,9 +4,10 @@
     python benchmarks/real_model.py [--steps 40] [extra job.py flags]
 
 The task: "Is 14 + 15 = 27? Answer yes or no." Rewards: `yes_no_format`, 1 when the whole
-reply is one word, yes or no (the model does so about a third of the time at first), and
-`yes_no_accuracy`, 1 when that word is right. GSM8K teaches this model nothing on CPU: it
-solves about 2% greedily and never writes '#### N', so every group would score alike.
+reply is one word, yes or no (the model does so often enough at its start for groups to
+differ), and `yes_no_accuracy`, 1 when that word is right. GSM8K teaches this model nothing
+on CPU: it solves almost none greedily and never writes '#### N', so every group would
+score alike (docs/results.md, Learning).
 Each run is `bash launch.sh` with 1 learner + 1 sampler; printed per step: the reward, the
 seconds, and the sampler/learner log-prob mismatch (mean and max over the step's tokens),
 then the held-out greedy evals."""

@@ -16,8 +16,7 @@ turn). Printed: held-out accuracy at each eval of both runs, and the wall times.
 
 The model's chat template renders the tools as one short system line (its own template,
 a copy of the tiny one with a tools clause), so prompts stay as short as the tiny task's.
-Measured (AMX Xeon, 2 cores, 2026-12-05): warm-up 160 s; with the tool 0.195 -> 0.852 in
-160 steps (267 s; 0.828 at step 104), without it 0.031 -> 0.062 (105 s)."""
+Its figures, with date and processor: docs/results.md, Learning."""
 
 import argparse
 import json
@@ -33,7 +32,8 @@ sys.path.insert(0, ROOT)
 
 # One character per operator: with "**" for a power, "*" would start the right call for
 # half the questions, and GRPO raised it for all of them before it learned which. With
-# "times", the policy settled on "-" for it as for "minus" and stayed there (0.71).
+# "times", the policy settled on "-" for it as for "minus" and stayed there
+# (docs/results.md, Learning).
 WORDS = {"+": "plus", "-": "minus", "*": "multiplied by", "/": "divided by"}
 TEMPLATE = (
     "{% if tools %}<|im_start|>system\ntools: {% for t in tools %}{{ t['function']['name'] }}{% endfor %}<|im_end|>\n"
