@@ -60,7 +60,7 @@ def tool_warmup(model, tokenizer, steps, seed, batch_size=24, lr=3e-3):
     copied; the third without: another problem's result as the answer."""
     from data import build_prompts
     from episodes import message_ids
-    from gsm8k import SYSTEM_PROMPT
+    from tasks.gsm8k import SYSTEM_PROMPT
     from tiny import supervised
     from tools import calculator
 
