@@ -339,9 +339,7 @@ def run_learner(cfg, path, rank, weight_pg, rollout_pg, device, weight_device):
                 samples_log.writelines(json.dumps(metrics.sample_row(step, i, rollouts[i], cfg)) + "\n" for i in keep)
                 samples_log.flush()
             bar.update()
-            bar.set_postfix_str(
-                f"reward {row['reward_mean']:.3f}, acc {row['accuracy']:.2f}, {row['step_s']:.1f} s/step"
-            )
+            bar.set_postfix_str(metrics.progress(row))
         if skips:  # on the console from rank 0 only (every learner sees the same norm)
             console.warn(f"step {step}: non-finite grad norm, optimizer step skipped ({skips} in a row)")
             if skips >= cfg.max_skips:

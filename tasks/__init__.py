@@ -83,8 +83,9 @@ def defined(table):
 
 
 def metric_names():
-    """The reward names the tasks log under their own name (their METRICS)."""
-    return {name for task in names() for name in getattr(load(task), "METRICS", ())}
+    """The reward names the tasks log under their own name (their METRICS), in the tasks'
+    order and each one's own."""
+    return list(dict.fromkeys(name for task in names() for name in getattr(load(task), "METRICS", ())))
 
 
 def hub_dataset(dataset):
