@@ -9,9 +9,9 @@ holds every column of the dataset row, plus "prompt" (the user's message text),
 finer row check as `fn.check(row) -> None or a reason`; the data loader skips and counts
 the rows that fail them, and the instruction it scores as `fn.system_prompt`, which then
 becomes the prompts' system message. A reward that declares `fn.in_process = True`
-(GSM8K's two: they never raise and run in time linear in the completion, with only
-anchored or length-capped regexes, so no input can make them backtrack catastrophically)
-is scored in the caller's process; any other runs in a worker."""
+(`accuracy` and `format`: they never raise and run in time linear in the completion, with
+only anchored or length-capped regexes, so no input can make them backtrack
+catastrophically) is scored in the caller's process; any other runs in a worker."""
 
 import atexit
 import contextlib
@@ -48,7 +48,7 @@ def load_function(name, what):
 
 
 def parse_reward_spec(spec):
-    """'accuracy,format=0.5,gsm8k.accuracy,my.module:fn=2' -> [(name, fn, weight)]: a task's
+    """'accuracy,format=0.5,task.name,my.module:fn=2' -> [(name, fn, weight)]: a task's
     reward by name (tasks/__init__.py) or any function by module:function. Raises
     ValueError with a readable message, so a bad flag fails before any model loads."""
     out = []

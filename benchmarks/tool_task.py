@@ -2,10 +2,10 @@
 
     python benchmarks/tool_task.py [--steps 160] [--warmup-steps 1000] [grpo.py flags for both runs]
 
-The task (tasks/calculator.py): "What is 47 multiplied by 8?", "What is 96 divided by 8?"
-(a 2-digit number plus, minus, multiplied by or divided by a digit; results of up to three
-digits), scored by GSM8K's accuracy on the last answer. The tiny model computes single-digit sums; these
-it cannot. A supervised warm-up (on the model's tokens only) teaches both formats at
+The task (tasks/calculator.py, its rows written to files): "What is 47 multiplied by 8?",
+"What is 96 divided by 8?" (a 2-digit number plus, minus, multiplied by or divided by a
+digit; results of up to three digits), scored by GSM8K's accuracy on the last answer. The
+tiny model computes single-digit sums; these it cannot. A supervised warm-up (on the model's tokens only) teaches both formats at
 chance, as the tiny model's own warm-up teaches the answer format: where the prompt
 lists the tools, a call of the calculator on the question's two numbers with an operator
 drawn at random, then the tool's result copied as '#### N'; where it does not, '#### N'
