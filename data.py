@@ -1,4 +1,4 @@
-"""Prompts: any dataset (local files, the hub, the embedded synthetic task), its rows
+"""Prompts: any dataset (a task's by its name, tasks/; local files; the hub), its rows
 checked for what the rewards need, chat-template prompts, and a deterministic per-step
 order and sharding."""
 
@@ -7,52 +7,11 @@ import os
 import random
 from collections import Counter
 
+import tasks
 from console import warn
-from gsm8k import HUB_DATASET, SYSTEM_PROMPT
 from rewards import parse_reward_spec
 
 DEFAULT_REWARDS = "accuracy,format"
-
-
-# ---------------------------------------------------------------- the synthetic task
-
-NAMES = ["Ann", "Bob", "Cat", "Dan", "Eve", "Finn", "Gus", "Ivy"]
-THINGS = ["apples", "pens", "cards", "coins", "eggs", "books"]
-
-
-# b is 1, 2 or 3 and the result a single digit: 48 (a, op, b) facts. b = 0 is left out:
-# copying `a` was then right 29% of the time, and RL settled there.
-PAIRS = {
-    "+": [(a, b) for a in range(10) for b in (1, 2, 3) if a + b <= 9],
-    "-": [(a, b) for a in range(10) for b in (1, 2, 3) if b <= a],
-}
-
-
-def synthetic_problem(rng, result=None):
-    """One GSM8K-shaped record: a short word problem whose sum or difference is a
-    single digit, so a tiny character-level model can learn it by RL in minutes. `result`
-    replaces the true result in the answer (the format warm-up uses random ones)."""
-    name, thing = rng.choice(NAMES), rng.choice(THINGS)
-    op = rng.choice("+-")
-    a, b = rng.choice(PAIRS[op])
-    return synthetic_fact(a, op, b, name, thing, result)
-
-
-def synthetic_fact(a, op, b, name="Ann", thing="pens", result=None):
-    """The record of one (a, op, b) fact, worded with `name` and `thing`."""
-    if op == "+":
-        question, true = f"{name} has {a} {thing} and gets {b} more. How many {thing} now?", a + b
-    else:
-        question, true = f"{name} has {a} {thing} and gives away {b}. How many {thing} now?", a - b
-    r = true if result is None else result
-    return {"question": question, "answer": f"{a}{op}{b}={r}\n#### {r}"}
-
-
-def synthetic_dataset(split, n=None):
-    """Deterministic records; the test split comes from a different seed."""
-    seed, default_n = {"train": (1234, 4096), "test": (98765, 256)}[split]
-    rng = random.Random(seed)
-    return [synthetic_problem(rng) for _ in range(n or default_n)]
 
 
 # ---------------------------------------------------------------- loading and checking rows
@@ -61,9 +20,16 @@ FILE_TYPES = (".jsonl", ".json", ".parquet")
 
 
 def dataset_error(dataset):
-    """Why --dataset cannot work, or None: a file name that is not there, or not of a type
-    read here. Any other name is taken for a hub dataset, which only loading can check."""
-    if dataset in ("synthetic", "gsm8k", HUB_DATASET[0]) or os.path.isdir(dataset):
+    """Why --dataset cannot work, or None: a task without a dataset or whose file fails to
+    load, a file name that is not there, or not of a type read here. Any other name is
+    taken for a hub dataset, which only loading can check."""
+    try:
+        task = tasks.load(dataset)
+    except ValueError as e:
+        return str(e)
+    if task is not None:
+        return None if hasattr(task, "rows") or hasattr(task, "HUB_DATASET") else f"task {dataset!r} has no dataset"
+    if os.path.isdir(dataset):
         return None
     if os.path.isfile(dataset):
         return None if dataset.endswith(FILE_TYPES) else f"{dataset} is not .jsonl, .json or .parquet"
@@ -73,12 +39,14 @@ def dataset_error(dataset):
 
 
 def read_rows(dataset, split):
-    """Raw rows: 'synthetic', 'gsm8k' (the hub), a local .jsonl/.json/.parquet path, or
-    any other hub dataset (or local dataset folder) by name, through datasets.load_dataset."""
-    if dataset == "synthetic":
-        return synthetic_dataset(split)
+    """Raw rows: a task's by its name (its rows(split), or its HUB_DATASET), a local
+    .jsonl/.json/.parquet path, or any other hub dataset (or local dataset folder) by name,
+    through datasets.load_dataset."""
     if (error := dataset_error(dataset)) is not None:
         raise SystemExit(f"--dataset: {error}")
+    task = tasks.load(dataset)
+    if task is not None and hasattr(task, "rows"):
+        return task.rows(split)
     if dataset.endswith(".jsonl") and os.path.isfile(dataset):
         with open(dataset) as f:
             return [_json_or_none(line) for line in f if line.strip()]
@@ -90,7 +58,7 @@ def read_rows(dataset, split):
 
     if dataset.endswith(".parquet") and os.path.isfile(dataset):
         return list(datasets.load_dataset("parquet", data_files=dataset, split="train"))
-    name, config = HUB_DATASET if dataset in ("gsm8k", HUB_DATASET[0]) else (dataset, None)
+    name, config = tasks.hub_dataset(dataset) or (dataset, None)
     try:
         return list(datasets.load_dataset(name, config, split=split))
     except Exception as e:  # not on the hub, no network, no such split: one line, not a traceback
@@ -167,7 +135,7 @@ def build_prompts(
     tokenizer,
     max_prompt_len,
     source,
-    system_prompt=SYSTEM_PROMPT,
+    system_prompt=None,
     prompt_field="question",
     messages_field="messages",
     tools=None,
@@ -219,14 +187,14 @@ def load_prompts(
     """The records to train or evaluate on: every column of each usable row, plus "prompt"
     and "prompt_ids". `reward_fns` (parse_reward_spec's; default accuracy and format)
     decide which rows are usable, and the system prompt: the instruction the first reward
-    that declares one scores (`fn.system_prompt`; GSM8K's for its rewards), never for the
-    synthetic task."""
+    that declares one scores (`fn.system_prompt`), never where the dataset is a task that
+    sets its SYSTEM_PROMPT to None (the synthetic task's)."""
     reward_fns = parse_reward_spec(DEFAULT_REWARDS) if reward_fns is None else reward_fns
     source = f"{dataset} [{split}]"
-    # The tiny model learns the answer format in its warm-up, not from instructions,
-    # and the system prompt would be half the tokens it trains on.
     declared = [fn.system_prompt for _, fn, _ in reward_fns if getattr(fn, "system_prompt", None)]
-    system_prompt = declared[0] if declared and dataset != "synthetic" else None
+    task = tasks.load(dataset)
+    unprompted = task is not None and hasattr(task, "SYSTEM_PROMPT") and task.SYSTEM_PROMPT is None
+    system_prompt = declared[0] if declared and not unprompted else None
     rows = clean_rows(read_rows(dataset, split), source, reward_fns, prompt_field, messages_field)
     return build_prompts(rows, tokenizer, max_prompt_len, source, system_prompt, prompt_field, messages_field, tools)
 

@@ -383,7 +383,7 @@ def write_row(t, row, samples=()):
         t.samples_log.flush()
     if "reward_mean" in row:
         t.bar.update()
-        t.bar.set_postfix_str(f"reward {row['reward_mean']:.3f}, acc {row['accuracy']:.2f}, {row['step_s']:.1f} s/step")
+        t.bar.set_postfix_str(metrics.progress(row))
 
 
 def finish(t, started):

@@ -10,8 +10,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from report import read_jsonl
+import tasks
+from report import NOT_PARTS, read_jsonl
 from tools import CALL
+
+SHORT = {"accuracy": "acc"}  # how the progress bar writes a part's name
 
 
 def summary(cfg, metrics_path, wall_s):
@@ -76,21 +79,46 @@ def reduce_metrics(sums, maxima, device):
     return [{k: next(values) for k in ks} for ks in keys], dict(zip(peaks, peak.tolist()))
 
 
+def part_key(name, metric_names=None):
+    """The metrics.jsonl key of reward `name`'s mean: the name itself where it is one a task
+    lists in its METRICS (`accuracy`, `format`), else `reward_<name>` (`reward_code_tests`,
+    `reward_my_module:fn`)."""
+    return name if name in (tasks.metric_names() if metric_names is None else metric_names) else f"reward_{name}"
+
+
+def part_keys(row):
+    """The keys of a metrics row that are its rewards' means, in the row's order."""
+    named = set(tasks.metric_names())
+    return [k for k in row if k in named or (k.startswith("reward_") and k not in NOT_PARTS)]
+
+
+def progress(row):
+    """The progress bar's text after a step: the reward, the first reward a task logs under
+    its own name (else the first reward's part: reward_<name>), the seconds per step."""
+    parts = [f"reward {row['reward_mean']:.3f}"]
+    named = set(tasks.metric_names())
+    if keys := sorted(part_keys(row), key=lambda k: k not in named):
+        name = keys[0].removeprefix("reward_")
+        parts.append(f"{SHORT.get(name, name)} {row[keys[0]]:.2f}")
+    return ", ".join(parts + [f"{row['step_s']:.1f} s/step"])
+
+
 def step_metrics(step, rollouts, reports, sums, token_sums, maxima, grad_norm, lr, wait_s, train_s):
-    """One row of metrics.jsonl. token_sums (the objective's metrics, the KL, the
-    mismatch and the entropy) are sums over the trained tokens, reported per token (a
-    *_seqs one counts sequences, and is reported per trained sequence)."""
+    """One row of metrics.jsonl. Each reward's mean over the rollouts goes under its
+    part_key, in the order of --rewards; a reward not in --rewards has none. token_sums
+    (the objective's metrics, the KL, the mismatch and the entropy) are sums over the
+    trained tokens, reported per token (a *_seqs one counts sequences, and is reported
+    per trained sequence)."""
     rewards = torch.tensor([c.reward for c in rollouts])
     lengths = torch.tensor([len(c.token_ids) for c in rollouts], dtype=torch.float32)
     parts = {name: sum(c.parts[name] for c in rollouts) / len(rollouts) for name in rollouts[0].parts}
     tokens = max(1.0, sums["tokens"])
+    named = set(tasks.metric_names())
     return {
         "step": step,
         "reward_mean": rewards.mean().item(),
         "reward_std": rewards.std().item(),
-        "accuracy": parts.get("accuracy", 0.0),
-        "format": parts.get("format", 0.0),
-        **{f"reward_{k}": v for k, v in parts.items() if k not in ("accuracy", "format")},
+        **{part_key(k, named): v for k, v in parts.items()},
         "completion_len": lengths.mean().item(),
         "completion_len_max": lengths.max().item(),
         "truncated_frac": sum(c.truncated for c in rollouts) / len(rollouts),
@@ -176,7 +204,8 @@ def sample_row(step, index, c, cfg):
 
 
 def plot(out_dir):
-    """curves.png from metrics.jsonl: reward and accuracies, and seconds per phase."""
+    """curves.png from metrics.jsonl: reward, the first reward's part (train accuracy) and
+    the held-out accuracy, and seconds per phase."""
     try:
         import matplotlib
 
@@ -191,7 +220,9 @@ def plot(out_dir):
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     steps = [r["step"] for r in train]
     left.plot(steps, [r["reward_mean"] for r in train], label="reward")
-    left.plot(steps, [r["accuracy"] for r in train], label="train accuracy")
+    first = part_keys(train[0])[:1] if train else []
+    for key in first:  # a row holds every reward's part
+        left.plot(steps, [r[key] for r in train], label=f"train {key.removeprefix('reward_')}")
     key = "eval_accuracy" if evals and "eval_accuracy" in evals[0] else "eval_reward"
     left.plot([r["step"] for r in evals], [r.get(key, 0.0) for r in evals], "o-", label=key.replace("_", " "))
     left.set_xlabel("step")

@@ -23,7 +23,7 @@ import sys
 
 # (title, keys) of each chart, in reading order; a key a run did not log is left out.
 CURVES = [
-    ("reward", ["reward_mean", "accuracy", "format", "reward_*"]),
+    ("reward", ["reward_mean", "METRICS", "reward_*"]),  # METRICS: the tasks' (tasks/: accuracy, format)
     ("held-out", ["eval_accuracy", "eval_reward", "eval_pass_at_*", "eval_maj_at_*"]),
     ("loss", ["loss"]),
     ("KL", ["kl", "teacher_kl"]),
@@ -89,7 +89,11 @@ def expand(keys, rows):
     logged = sorted({k for r in rows for k, v in r.items() if isinstance(v, (int, float))})
     out = []
     for k in keys:
-        if k.endswith("*"):
+        if k == "METRICS":  # the rewards the tasks log under their own names
+            import tasks
+
+            out += [m for m in tasks.metric_names() if m in logged]
+        elif k.endswith("*"):
             out += [m for m in logged if m.startswith(k[:-1]) and m not in NOT_PARTS]
         elif k in logged:
             out.append(k)

@@ -1,15 +1,17 @@
-"""Scoring: the built-in rewards (the GSM8K task's accuracy and format, gsm8k.py; the code
-task's code_tests, coding.py), user rewards by module:function, and their weighted sum
-over a batch, with user rewards run in worker processes under a timeout.
+"""Scoring: the tasks' rewards by name (tasks/: `accuracy`, `format`, `code_tests`, ...;
+how names resolve is in tasks/__init__.py), user rewards by module:function, and their
+weighted sum over a batch, with rewards run in worker processes under a timeout unless
+they declare `fn.in_process`.
 
 Every reward has the signature `fn(completion: str, record: dict) -> float`. `record`
 holds every column of the dataset row, plus "prompt" (the user's message text),
 "prompt_ids" and "step". A reward may declare the columns it reads as `fn.needs`, and a
 finer row check as `fn.check(row) -> None or a reason`; the data loader skips and counts
 the rows that fail them, and the instruction it scores as `fn.system_prompt`, which then
-becomes the prompts' system message. The built-ins never raise and run in time linear in the
-completion: only anchored or length-capped regexes are used, so no input can make them
-backtrack catastrophically."""
+becomes the prompts' system message. A reward that declares `fn.in_process = True`
+(`accuracy` and `format`: they never raise and run in time linear in the completion, with
+only anchored or length-capped regexes, so no input can make them backtrack
+catastrophically) is scored in the caller's process; any other runs in a worker."""
 
 import atexit
 import contextlib
@@ -24,19 +26,15 @@ import time
 import traceback
 
 import sandbox
-from coding import code_tests
+import tasks
 from console import die_with_parent, warn_once
-from gsm8k import gsm8k_accuracy, gsm8k_format
 from plugins import load_function
-
-BUILTIN = {"accuracy": gsm8k_accuracy, "format": gsm8k_format, "code_tests": code_tests}
-# Linear-time and never raise (tested), so they need no worker; code_tests runs programs.
-IN_PROCESS = (gsm8k_accuracy, gsm8k_format)
 
 
 def parse_reward_spec(spec):
-    """'accuracy,format=0.5,my.module:fn=2' -> [(name, fn, weight)]. Raises ValueError
-    with a readable message, so a bad flag fails before any model loads."""
+    """'accuracy,format=0.5,task.name,my.module:fn=2' -> [(name, fn, weight)]: a task's
+    reward by name (tasks/__init__.py) or any function by module:function. Raises
+    ValueError with a readable message, so a bad flag fails before any model loads."""
     out = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         name, _, weight = item.partition("=") if "=" in item else (item, "", "1")
@@ -44,7 +42,12 @@ def parse_reward_spec(spec):
             weight = float(weight)
         except ValueError:
             raise ValueError(f"reward weight of {name!r} is not a number: {weight!r}")
-        fn = load_function(name, "reward", BUILTIN)
+        if ":" in name:
+            fn = load_function(name, "reward")
+        elif (fn := tasks.find("REWARDS", name, "reward")) is None:
+            raise ValueError(
+                f"unknown reward {name!r}: use one of {tasks.defined('REWARDS')} (tasks/), task.name or module:function"
+            )
         out.append((name, fn, weight))
     if not out:
         raise ValueError("no reward given")
@@ -70,7 +73,7 @@ def score_batch(completions, records, reward_fns, step=0, timeout=10.0, workers=
     for i, (completion, record) in enumerate(zip(completions, records)):
         record = {**record, "step": step}
         for k, (name, fn, _) in enumerate(reward_fns):
-            if fn in IN_PROCESS:
+            if getattr(fn, "in_process", False):
                 done.append((i, name, float(fn(completion, record)), None))
             else:
                 pooled.append((i, name, (k, completion, record)))

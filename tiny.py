@@ -7,7 +7,8 @@ import random
 import shutil
 import time
 
-from data import build_prompts, synthetic_problem
+from data import build_prompts
+from tasks.synthetic import synthetic_problem
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 TINY_VERSION = 5  # bump when the tokenizer, the task or the warm-up changes

@@ -1,6 +1,8 @@
 """Tools: a ready environment (episodes.py) that runs the functions the model calls.
 `--tools calculator,my_tools:search` lists them: each a plain function with type hints
-and a docstring, turned into the JSON schema a chat template receives (`tools=`).
+and a docstring, turned into the JSON schema a chat template receives (`tools=`). A name
+is `python` (here), a tool of the tasks (their TOOLS: `calculator`, tasks/calculator.py;
+resolved as tasks/__init__.py says), or module:function.
 
 Calls are recognised in the Hermes format that Qwen2.5's template teaches,
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, anywhere in the model's last
@@ -13,50 +15,17 @@ schemas and the call format in its system prompt instead (tools_prompt).
 The environment runs in the workers of episodes.py, which read the tool list from the
 GRPO_TOOLS variable the sampler sets (they start as `python rewards.py SPEC`)."""
 
-import ast
 import inspect
 import json
-import operator
 import os
 import re
 
 import sandbox
+import tasks
 from plugins import load_function
 
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean"}
-OPERATORS = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod,
-    ast.Pow: operator.pow,
-    ast.USub: operator.neg,
-    ast.UAdd: operator.pos,
-}
-
-
-def _arithmetic(node):
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
-    if isinstance(node, ast.UnaryOp) and type(node.op) in OPERATORS:
-        return OPERATORS[type(node.op)](_arithmetic(node.operand))
-    if isinstance(node, ast.BinOp) and type(node.op) in OPERATORS:
-        left, right = _arithmetic(node.left), _arithmetic(node.right)
-        if isinstance(node.op, ast.Pow) and (abs(right) > 64 or abs(left) > 10**6):
-            raise ValueError("exponent too large")
-        return OPERATORS[type(node.op)](left, right)
-    raise ValueError(f"not arithmetic: {ast.dump(node)[:60]}")
-
-
-def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression of numbers, + - * / // % ** and parentheses."""
-    if len(expression) > 200:
-        raise ValueError("expression longer than 200 characters")
-    value = _arithmetic(ast.parse(expression.strip(), mode="eval").body)  # no names, calls or attributes
-    return str(int(value) if isinstance(value, float) and value.is_integer() else value)
 
 
 def python(code: str) -> str:
@@ -66,15 +35,18 @@ def python(code: str) -> str:
     return printed if result["error"] is None else f"{printed}error: {result['error']}"
 
 
-BUILTIN = {"calculator": calculator, "python": python}
+BUILTIN = {"python": python}  # the tasks' tools (their TOOLS) are found by name too
 
 
 def load_tools(spec):
-    """[fn] from 'calculator,module:function,...'. Raises ValueError: unknown, or without
-    the type hints and docstring a schema is made of."""
+    """[fn] from 'python,calculator,module:function,...'. Raises ValueError: unknown, or
+    without the type hints and docstring a schema is made of."""
     tools = []
     for name in filter(None, (s.strip() for s in spec.split(","))):
-        fn = BUILTIN[name] if name in BUILTIN else load_function(name, "tool")
+        if name in BUILTIN:
+            fn = BUILTIN[name]
+        elif ":" in name or (fn := tasks.find("TOOLS", name, "tool")) is None:
+            fn = load_function(name, "tool")  # for a plain name unknown to the tasks: "not of the form module:function"
         schema(fn)  # raises where it has none
         tools.append(fn)
     if not tools:

@@ -14,7 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data import PAIRS, build_prompts, synthetic_fact  # noqa: E402
+from data import build_prompts  # noqa: E402
+from tasks.synthetic import PAIRS, synthetic_fact  # noqa: E402
 
 
 def main(path):

@@ -2,10 +2,10 @@
 
     python benchmarks/tool_task.py [--steps 160] [--warmup-steps 1000] [job.py flags for both runs]
 
-The task: "What is 47 multiplied by 8?", "What is 96 divided by 8?" (a 2-digit number
-plus, minus, multiplied by or divided by a digit; results of up to three digits), scored
-by GSM8K's accuracy on the last answer. The tiny model computes single-digit sums; these
-it cannot. A supervised warm-up (on the model's tokens only) teaches both formats at
+The task (tasks/calculator.py, its rows written to files): "What is 47 multiplied by 8?",
+"What is 96 divided by 8?" (a 2-digit number plus, minus, multiplied by or divided by a
+digit; results of up to three digits), scored by GSM8K's accuracy on the last answer. The
+tiny model computes single-digit sums; these it cannot. A supervised warm-up (on the model's tokens only) teaches both formats at
 chance, as the tiny model's own warm-up teaches the answer format: where the prompt
 lists the tools, a call of the calculator on the question's two numbers with an operator
 drawn at random, then the tool's result copied as '#### N'; where it does not, '#### N'
@@ -21,7 +21,6 @@ Its figures, with date and processor: docs/results.md, Learning."""
 import argparse
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -30,25 +29,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# One character per operator: with "**" for a power, "*" would start the right call for
-# half the questions, and GRPO raised it for all of them before it learned which. With
-# "times", the policy settled on "-" for it as for "minus" and stayed there
-# (docs/results.md, Learning).
-WORDS = {"+": "plus", "-": "minus", "*": "multiplied by", "/": "divided by"}
 TEMPLATE = (
     "{% if tools %}<|im_start|>system\ntools: {% for t in tools %}{{ t['function']['name'] }}{% endfor %}<|im_end|>\n"
     "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-def problem(rng):
-    op = rng.choice(list(WORDS))
-    a, b = rng.randint(10, 99), rng.randint(2, 9)
-    if op == "/":
-        a = b * rng.randint(10, 99 // b)  # a whole quotient, and operands as short as the others'
-    value = {"+": a + b, "-": a - b, "*": a * b, "/": a // b}[op]
-    return {"question": f"What is {a} {WORDS[op]} {b}?", "answer": f"#### {value}", "a": a, "b": b}
 
 
 def call(expression):
@@ -60,9 +45,8 @@ def tool_warmup(model, tokenizer, steps, seed, batch_size=24, lr=3e-3):
     copied; the third without: another problem's result as the answer."""
     from data import build_prompts
     from episodes import message_ids
-    from gsm8k import SYSTEM_PROMPT
+    from tasks.calculator import SYSTEM_PROMPT, WORDS, calculator, problem
     from tiny import supervised
-    from tools import calculator
 
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
@@ -143,12 +127,13 @@ def main():
         sys.exit(f"--warm-model {args.warm_model} lies in --work {work}, which each run empties: copy it out first")
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
-    rng = random.Random(1)
+    from tasks.calculator import rows
+
     data = {}
-    for split, n in (("train", 4096), ("test", 256)):
+    for split in ("train", "test"):  # the calculator task's (tasks/calculator.py), as files
         data[split] = os.path.join(work, f"{split}.jsonl")
         with open(data[split], "w") as f:
-            f.writelines(json.dumps(problem(rng)) + "\n" for _ in range(n))
+            f.writelines(json.dumps(row) + "\n" for row in rows(split))
     start = time.time()
     model = args.warm_model or build(work, args.warmup_steps)
     print(f"tool warm-up: {time.time() - start:.0f} s")

@@ -6,8 +6,9 @@ from task_rewards import write_task
 
 import data
 import tiny
-from gsm8k import SYSTEM_PROMPT, gsm8k_accuracy, gsm8k_format, parse_gsm8k_answer
 from rewards import parse_reward_spec
+from tasks.gsm8k import SYSTEM_PROMPT, gsm8k_accuracy, gsm8k_format, parse_gsm8k_answer
+from tasks.synthetic import synthetic_dataset
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +31,8 @@ def test_tiny_tokenizer_round_trips_and_survives_save(tokenizer, tmp_path):
 
 
 def test_synthetic_task_is_gsm8k_shaped_and_deterministic():
-    train, test = data.synthetic_dataset("train"), data.synthetic_dataset("test")
-    assert train == data.synthetic_dataset("train")
+    train, test = synthetic_dataset("train"), synthetic_dataset("test")
+    assert train == synthetic_dataset("train")
     assert train[:50] != test[:50]
     for row in train[:500]:
         gold = parse_gsm8k_answer(row["answer"])

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import refusal
 from evals import ks, majority_correct, pass_at_k
-from gsm8k import gsm8k_accuracy
+from tasks.gsm8k import gsm8k_accuracy
 
 
 def test_pass_at_k_by_hand():

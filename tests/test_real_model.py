@@ -81,8 +81,8 @@ def test_prompt_ids_are_the_templates_rendering_and_the_end_of_turn_token_is_tra
     from transformers import AutoTokenizer
 
     from grpo import Rollout
-    from gsm8k import SYSTEM_PROMPT
     from learner import Learner
+    from tasks.gsm8k import SYSTEM_PROMPT
 
     out, _ = float32_run
     tokenizer = AutoTokenizer.from_pretrained(smollm2)

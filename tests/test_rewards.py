@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from gsm8k import final_answer, gsm8k_accuracy, gsm8k_format, parse_gsm8k_answer
 from rewards import check_failures, parse_reward_spec, score_batch
+from tasks.gsm8k import final_answer, gsm8k_accuracy, gsm8k_format, parse_gsm8k_answer
 
 
 def gsm8k(gold):
@@ -120,7 +120,7 @@ def test_reward_spec_and_weighted_sum():
     assert parts == [{"accuracy": 1.0, "format": 1.0}, {"accuracy": 0.0, "format": 0.0}] and totals == [2.5, 0.0]
     assert counts == {"reward_errors": 0, "reward_timeouts": 0, "rewards_failed": 0, "rewards": 2, "sandbox_errors": 0}
     # the built-ins are ordinary rewards of the same signature, by module:function too
-    fns = parse_reward_spec("accuracy,rewards:gsm8k_format=3")
+    fns = parse_reward_spec("accuracy,tasks.gsm8k:gsm8k_format=3")
     assert score_batch(["#### 5"], [gsm8k(5)], fns)[0] == [4.0]
     for bad in ["nope", "accuracy=x", "no_such_module_xyz:fn", "rewards:no_such_fn", "rewards:TAIL", ""]:
         with pytest.raises(ValueError):

@@ -11,8 +11,8 @@ from hostile import programs, write_task
 
 import checkpoint
 import sandbox
-from coding import code_tests, extract_code
 from conftest import FAST, rows, torchrun
+from tasks.code import code_tests, extract_code
 
 SECRET = "GRPO_TEST_SECRET"
 SECRET_VALUE = "s3cret-2f9c1e7a"

@@ -1,10 +1,12 @@
-"""Tools (tools.py): the calculator evaluates arithmetic and nothing else, schemas come
-from type hints and docstrings, calls parse in the Hermes format with errors returned
-as results, and the prompts carry the tools however the template treats them."""
+"""Tools (tools.py): the calculator (tasks/calculator.py) evaluates arithmetic and nothing
+else, schemas come from type hints and docstrings, calls parse in the Hermes format with
+errors returned as results, and the prompts carry the tools however the template treats
+them."""
 
 import pytest
 
-from tools import calculator, call, load_tools, schema, tools_prompt, use_tools
+from tasks.calculator import calculator
+from tools import call, load_tools, schema, tools_prompt, use_tools
 
 
 def test_the_calculator_does_arithmetic_exactly():

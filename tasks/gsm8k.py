@@ -1,9 +1,9 @@
 """The GSM8K task (Cobbe et al., 2021): its instruction, how an answer is read from a
-completion and from a gold solution, and its two rewards. A new task is one file like
-this: a system prompt, and rewards `fn(completion, record) -> float` that declare what
-they read (`fn.needs`), which rows they can score (`fn.check`) and the instruction they
-score (`fn.system_prompt`). Both rewards never raise and run in time linear in the
-completion: only anchored or length-capped regexes are used."""
+completion and from a gold solution, and its two rewards, `accuracy` and `format`, which
+metrics.jsonl logs under those names. `--dataset gsm8k` loads it from the hub. What a task
+file defines is in tasks/__init__.py. Both rewards never raise and run in time linear in
+the completion (only anchored or length-capped regexes are used), so they are scored in
+the trainer's process."""
 
 import re
 from fractions import Fraction
@@ -99,6 +99,7 @@ gsm8k_accuracy.needs = ("answer",)
 gsm8k_accuracy.check = lambda row: None if parse_gsm8k_answer(row["answer"]) else "answer without a '#### <number>'"
 gsm8k_accuracy.system_prompt = SYSTEM_PROMPT
 gsm8k_accuracy.answer = lambda completion: to_number(final_answer(completion))  # what maj@n votes on (evals.py)
+gsm8k_accuracy.in_process = True
 
 FORMAT = re.compile(r"####[ \t]*\$?-?\d[\d,]*(?:\.\d+)?\.?[ \t]*")
 
@@ -115,3 +116,7 @@ def gsm8k_format(completion, record=None):
 
 
 gsm8k_format.system_prompt = SYSTEM_PROMPT
+gsm8k_format.in_process = True
+
+REWARDS = {"accuracy": gsm8k_accuracy, "format": gsm8k_format}
+METRICS = ("accuracy", "format")

@@ -1,13 +1,14 @@
-"""The code task's reward, `code_tests`: the fraction of a row's tests that the code in a
-completion passes, run in the sandbox (sandbox.py), never in the trainer or its workers.
+"""The code task: its reward, `code_tests` (logged as `reward_code_tests`), the fraction
+of a row's tests that the code in a completion passes, run in the sandbox (sandbox.py),
+never in the trainer or its workers.
 
 A row holds `tests`, a list of Python statements that raise when the code is wrong
 (asserts, as MBPP's `test_list`). One program runs the completion's code (its last fenced
 block, else the whole text), then each test in turn, each printing a line of its own
 once it passed; a test that raises counts as failed, and so do the ones after a crash,
-an exit or a limit. Code that does not compile fails its tests; they still run. The sandbox protects the machine, not the score: a completion that
-inspects its own process can forge a pass, as with any harness that runs tests beside
-the code they test."""
+an exit or a limit. Code that does not compile fails its tests; they still run. The
+sandbox protects the machine, not the score: a completion that inspects its own process
+can forge a pass, as with any harness that runs tests beside the code they test."""
 
 import json
 import re
@@ -60,3 +61,5 @@ def _check(row):
 code_tests.needs = ("tests",)
 code_tests.check = _check
 code_tests.system_prompt = "Answer with Python code in a ```python block."
+
+REWARDS = {"code_tests": code_tests}
