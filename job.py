@@ -106,14 +106,15 @@ def run_sampler(cfg, path, index, num_samplers, link, device, gpu_memory):
     base = lora.base_for_engine(path) if cfg.lora_rank else None
     env, env_pool = start_env(cfg)  # episodes: one turn, or several with the environment
     episodes = partial(run_episodes, engine, cfg=cfg, tokenizer=tokenizer, env=env, env_pool=env_pool)
-    evaluate_share = partial(evaluate, episodes, eval_prompts, range(index, len(eval_prompts), num_samplers), cfg)
+    share = range(index, len(eval_prompts), num_samplers)
+    evaluate_share = partial(evaluate, episodes, eval_prompts, share, cfg, reward_fns)
     first = checkpoint.start_step(cfg)
     weights_step = first
     # One step more than training: the last sync brings the final weights for the last eval.
     for step in range(first, cfg.steps + 1):
         before = syncs_before_sampling(cfg, step, first)
         if before:
-            weights_step = load_step_weights(cfg, step, engine, link, buckets, base, evaluate_share, reward_fns)
+            weights_step = load_step_weights(cfg, step, engine, link, buckets, base, evaluate_share)
         if step == cfg.steps:
             break
         batch = shard(
@@ -122,7 +123,7 @@ def run_sampler(cfg, path, index, num_samplers, link, device, gpu_memory):
         report = sample_step(cfg, step, batch, episodes, reward_fns, key=(cfg.seed, step, index))
         send_report(link, {**report, "weights_step": weights_step, "peak_memory_mb": metrics.peak_memory_mb(device)})
         if not before:
-            weights_step = load_step_weights(cfg, step, engine, link, buckets, base, evaluate_share, reward_fns)
+            weights_step = load_step_weights(cfg, step, engine, link, buckets, base, evaluate_share)
 
 
 def load_data(cfg, path, index):
@@ -184,7 +185,7 @@ def send_report(link, report):
         checkpoint.exit_preempted()
 
 
-def load_step_weights(cfg, step, engine, link, buckets, base, evaluate_share, reward_fns):
+def load_step_weights(cfg, step, engine, link, buckets, base, evaluate_share):
     """Load the weights of `step` (or stop), then evaluate them when an eval is due. Returns `step`."""
     if control(link.weights, 0, link.device):
         checkpoint.exit_preempted()  # the learners saved a checkpoint and stop too
@@ -197,7 +198,7 @@ def load_step_weights(cfg, step, engine, link, buckets, base, evaluate_share, re
     if eval_due(cfg, step):
         try:  # a collective never runs inside abortable(): all ranks must join it or none
             with checkpoint.abortable():
-                result = {"eval": evaluate_share(reward_fns, step)}
+                result = {"eval": evaluate_share(step)}
         except checkpoint.Preempted:
             result = {"stopped": True}
         send_report(link, result)
