@@ -9,6 +9,7 @@ import dataclasses
 import importlib.util
 import inspect
 import io
+import json
 import os
 import re
 import shutil
@@ -75,6 +76,7 @@ class Config:
     sampler_kv_cache_gb: float = 1.0  # vLLM's KV cache size (CPU only)
     sync_bucket_mb: float = 64.0  # weight broadcast bucket size
     timeout_minutes: float = 30.0  # every process group's timeout: how long a rank waits for a stuck peer
+    hang_seconds: float = 60.0  # a rank silent this long (stopped, frozen, its node lost) ends the job; 0: never
     # ---- rewards (rewards.py)
     rewards: str = "accuracy,format"  # weighted sum: 'accuracy=1,format=0.5,my.module:fn=2'; fn(completion, record)
     reward_timeout: float = 10.0  # seconds per user-reward call; a slower call scores 0 and is counted
@@ -95,7 +97,7 @@ class Config:
     out_dir: str = "runs/default"  # where the run writes
     save_every: int = 0  # checkpoint every N steps (and always on preemption); 0: only on preemption
     keep_last: int = 0  # keep the newest K checkpoints; 0: keep all
-    resume: str = ""  # '--resume' continues from out_dir's latest checkpoint, '--resume PATH' from that one
+    resume: str = ""  # '--resume': out_dir's newest complete checkpoint; 'auto': that, else a fresh start; or a PATH
     overwrite: bool = False  # replace a run already in out_dir
     max_skips: int = 3  # abort after this many consecutive steps with a non-finite grad norm
     report_to: str = ""  # 'wandb' or 'tensorboard': also send every metrics row there
@@ -356,6 +358,11 @@ def output_rules(cfg, world_size, has_gpu):
         not cfg.report_to or importlib.util.find_spec(cfg.report_to) is not None,
         f"--report-to {cfg.report_to}: the {cfg.report_to} package is not installed (pip install {cfg.report_to})",
     )
+    yield cfg.hang_seconds >= 0, f"--hang-seconds must be >= 0 (0: no hang detection), got {cfg.hang_seconds}"
+    yield (
+        not (cfg.overwrite and cfg.resume == "auto"),
+        "--overwrite with --resume auto (launch.sh's RESTARTS) would resume the run it replaces: remove the folder instead",
+    )
     yield (
         cfg.resume or cfg.overwrite or cfg.eval_only or not os.path.exists(os.path.join(cfg.out_dir, "metrics.jsonl")),
         f"--out-dir {cfg.out_dir} already holds a run: pass --resume to continue it or --overwrite to replace it",
@@ -418,13 +425,55 @@ def check_loadable(cfg, has_gpu, network=False):
         except ValueError as e:
             fail(f"--{flag}: {e}")
     if cfg.resume:
-        try:
-            cfg.resume = checkpoint.find_checkpoint(cfg.resume, cfg.out_dir)
-        except ValueError as e:
-            fail(f"--resume: {e}")
+        check_resume(cfg, checkpoint)
     if network and cfg.model != "tiny" and not os.path.isdir(cfg.model) and (error := hub_model_error(cfg.model)):
         fail(f"--model {cfg.model}: {error}")
     return cfg
+
+
+# What a resumed run may change: where and how long it runs, what it logs and evaluates,
+# and the knobs that change memory, not the maths (micro-batches are normalised exactly).
+RESUME_MAY_CHANGE = {
+    *("resume", "overwrite", "out_dir", "steps", "save_every", "keep_last", "samples_every", "report_to"),
+    *("eval_every", "eval_dataset", "eval_size", "eval_samples", "eval_temperature", "eval_only"),
+    *("timeout_minutes", "hang_seconds", "reward_workers", "compile", "gradient_checkpointing"),
+    *("micro_batch_size", "max_tokens_per_microbatch", "logprob_chunk", "sync_bucket_mb"),
+    *("sampler_gpu_memory", "sampler_kv_cache_gb", "learners"),
+}
+
+
+def check_resume(cfg, checkpoint):
+    """--resume becomes a checkpoint's path (or "" for a fresh start under auto), each
+    broken newer checkpoint passed over said in one line. Under auto, which a restart
+    reruns unattended, the folder's run must be this config's, and a disk that cannot
+    hold one more checkpoint is refused now rather than at the next save."""
+    requested = cfg.resume
+    try:
+        cfg.resume, skipped = checkpoint.find_checkpoint(cfg.resume, cfg.out_dir)
+    except ValueError as e:
+        fail(f"--resume: {e}")
+    for reason in skipped:
+        print(f"job.py: --resume: {reason}: passed over", file=sys.stderr)
+    if skipped:
+        print(f"job.py: --resume: falling back to {cfg.resume}", file=sys.stderr)
+    if requested != "auto":
+        return
+    # the run in the folder: its newest checkpoint's config, else (none saved yet) run.json's
+    saved = os.path.join(cfg.resume, "trainer.json") if cfg.resume else os.path.join(cfg.out_dir, "run.json")
+    if os.path.exists(saved):
+        with open(saved) as f:
+            changed = checkpoint.config_changes(json.load(f)["config"], cfg, RESUME_MAY_CHANGE)
+        if changed:
+            fail(
+                f"--resume auto: {cfg.out_dir} holds a run with another config ({'; '.join(changed)}): use another --out-dir"
+            )
+    if cfg.resume and cfg.save_every:
+        need = sum(checkpoint.file_sizes(cfg.resume).values())
+        free = shutil.disk_usage(cfg.out_dir).free
+        if free < need:
+            fail(
+                f"--resume auto: {cfg.out_dir} has {free / 2**20:.0f} MB free and a checkpoint takes {need / 2**20:.0f} MB: free some space (or --keep-last)"
+            )
 
 
 def answers_read(cfg, accuracy):

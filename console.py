@@ -103,11 +103,11 @@ def _grpo_logger(handlers, level):
 _grpo_logger([_StderrHandler(logging.WARNING)], logging.INFO)
 
 
-def setup(out_dir, rank, role, warnings_here, append=False):
+def setup(out_dir, rank, role, warnings_here, append=False, restart=0):
     """Send this rank's output to its log (unless GRPO_VERBOSE) and keep the console for
     what the user reads. `warnings_here`: whether the 'grpo' loggers' warnings reach the
     console from this rank (rank 0 and the first sampler, so that a warning every
-    sampler meets shows once). `append` keeps an earlier log (a resumed run)."""
+    sampler meets shows once). `append` keeps an earlier log (a resumed or restarted run)."""
     if verbose():
         _state["console"] = sys.stdout
         _grpo_logger([_StderrHandler(logging.INFO)], logging.INFO)
@@ -134,7 +134,8 @@ def setup(out_dir, rank, role, warnings_here, append=False):
     if warnings_here:
         handlers.append(_ConsoleHandler(logging.WARNING))
     _grpo_logger(handlers, logging.INFO)
-    print(f"rank {rank} ({role}), pid {os.getpid()}: {' '.join(sys.argv)}", flush=True)
+    again = f", restart {restart}" if restart else ""  # where a restarted job's log resumes (watchdog.last_line)
+    print(f"rank {rank} ({role}), pid {os.getpid()}{again}: {' '.join(sys.argv)}", flush=True)
 
 
 def _tail(path, lines=TAIL_LINES):
@@ -231,9 +232,18 @@ class Failures:
             return True
         try:
             self.store.set_timeout(timedelta(seconds=10))
-            return self.store.add("grpo/failed", 1) == 1
+            mine = str(self.rank)  # the first failed rank, which a restart names (watchdog.py)
+            return self.store.compare_set("failed", "", mine).decode() == mine
         except Exception:  # no store to ask: better twice than never
             return True
+
+
+def clear_marks(out_dir):
+    """Remove the marks a failed or preempted job left in its logs folder for launch.sh."""
+    folder = logs_dir(out_dir)
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        if name in ("failed", "preempted") or name.startswith("peer_error_"):
+            os.remove(os.path.join(folder, name))
 
 
 def preempted(out_dir, text, here):

@@ -42,6 +42,7 @@ import console
 import lora
 import metrics
 import sandbox
+import watchdog
 from comm import (
     bucket_plan,
     control,
@@ -449,8 +450,11 @@ def main(argv=None):
     place, device = place_rank(cfg, rank, local_rank, local_world, world, gpus)
     os.makedirs(cfg.out_dir, exist_ok=True)
     role = "learner" if place.learner else "sampler"
+    restart = watchdog.attempt()  # > 0: torchrun restarted the job after a fault (launch.sh's RESTARTS)
     # From here on this rank's output goes to its log, unless GRPO_VERBOSE=1.
-    console.setup(cfg.out_dir, rank, role, warnings_here=rank in (0, cfg.learners), append=bool(cfg.resume))
+    console.setup(
+        cfg.out_dir, rank, role, rank in (0, cfg.learners), append=bool(cfg.resume) or restart > 0, restart=restart
+    )
     if rank == 0:
         console.say(start_line(cfg, world, local_world, gpus))
         if cfg.dtype == "bfloat16" and not gpus and not cpu_has_bf16():
@@ -465,9 +469,16 @@ def main(argv=None):
         cfg.out_dir, rank, role, quiet_exits=(checkpoint.PREEMPTED,), peer_errors=(dist.DistError,)
     ) as failures:
         timeout = timedelta(minutes=cfg.timeout_minutes)
-        failures.store = dist.TCPStore(
+        store = dist.TCPStore(
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
         )
+        failures.store = watchdog.attempt_store(store, restart)
+        watchdog.start(rank, world, cfg.learners, cfg.hang_seconds)
+        if restart and rank == 0:
+            console.clear_marks(cfg.out_dir)  # the attempt before's: launch.sh reads the last attempt's
+            console.say(
+                watchdog.restart_line(store, restart, world, cfg.learners, cfg.out_dir, checkpoint.start_step(cfg))
+            )
         run_role(cfg, rank, local_rank, world, place, device, failures.store, timeout)
 
 

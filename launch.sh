@@ -5,6 +5,7 @@
 #   bash launch.sh --steps 200 --lr 2e-6  # any job.py flag
 #   NPROC=4 LEARNERS=2 bash launch.sh     # ranks on this node, and learners in all
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 bash launch.sh   # on each node
+#   RESTARTS=3 bash launch.sh             # a failed rank restarts the job from its newest checkpoint, 3 times at most
 #   bash launch.sh test [pytest args]     # the test suite (-m "not system": the fast tier)
 #   bash launch.sh gpus                   # how many GPUs this node shows (nothing is installed)
 #   PYTHON3=python3.12 bash launch.sh     # the Python .venv is built with (else preflight.py picks)
@@ -87,11 +88,25 @@ for arg in "$@"; do
     case "$arg" in -h | --help) exec "$PYTHON" job.py --help ;; esac
 done
 
+# RESTARTS=N: when a rank fails (a crash, a kill, a hang the watchdog sees), torchrun
+# restarts the whole job, N times at most (its --max-restarts), and each start continues
+# from the newest complete checkpoint (--resume auto, unless a --resume is given).
+# 0, the default: a failure ends the job within seconds, for a person to look at.
+RESTARTS=${RESTARTS:-0}
+[[ "$RESTARTS" =~ ^[0-9]+$ ]] || { echo "launch.sh: RESTARTS must be a whole number, got '$RESTARTS'" >&2; exit 2; }
+RESUME=()
+if [ "$RESTARTS" -gt 0 ]; then
+    RESUME=(--resume auto)
+    for arg in "$@"; do
+        case "$arg" in --resume | --resume=*) RESUME=() ;; esac
+    done
+fi
+
 # A config that cannot work is refused here, once, in one line (exit 2), before torchrun
 # starts a rank: job.py's own checks, with this node's layout and no model or store.
 # It prints the run's folder, where the logs go.
 OUT_DIR=$(WORLD_SIZE=$(( NPROC * NNODES )) LOCAL_WORLD_SIZE=$NPROC GROUP_RANK=$NODE_RANK LOCAL_RANK=0 \
-    "$PYTHON" job.py check --learners "$LEARNERS" "$@") || exit $?
+    "$PYTHON" job.py check --learners "$LEARNERS" "$@" "${RESUME[@]}") || exit $?
 
 # One node: a free port, so that two jobs on one machine do not collide on torchrun's 29500.
 if [ -z "${MASTER_PORT:-}" ]; then
@@ -104,7 +119,8 @@ TORCHRUN=("$PYTHON" -m torch.distributed.run
     --master-addr "${MASTER_ADDR:-127.0.0.1}"
     --master-port "$MASTER_PORT"
     --nproc-per-node "$NPROC"
-    job.py --learners "$LEARNERS" "$@")
+    --max-restarts "$RESTARTS"
+    job.py --learners "$LEARNERS" "$@" "${RESUME[@]}")
 
 # GRPO_VERBOSE=1: every rank's output and torchrun's own on the console, as they come.
 if [ -n "${GRPO_VERBOSE:-}" ] && [ "${GRPO_VERBOSE}" != 0 ]; then

@@ -1,5 +1,7 @@
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 
@@ -214,3 +216,39 @@ def transformers_vs_vllm(folder, text):
     line = next((x for x in run.stdout.splitlines() if x.startswith("LOGPROBS")), None)
     assert line, run.stderr[-3000:]
     return (hf - torch.tensor(json.loads(line[len("LOGPROBS ") :]))).abs().max().item()
+
+
+# One frame of a progress bar: tqdm redraws it in place, frames apart by '\r'.
+BAR = re.compile(r"(grpo|tiny model warm-up): +\d+%\|[^|]*\| \d+/\d+ \[[^\]]*\] *")
+
+
+def launch(out, *args, env=None):
+    env = {**os.environ, "PYTHON": sys.executable, "MASTER_PORT": str(free_port()), **(env or {})}
+    env.pop("GRPO_VERBOSE", None)
+    cmd = ["bash", os.path.join(ROOT, "launch.sh"), *map(str, args), "--out-dir", str(out)]
+    # A session of its own, so that stop() can end launch.sh and torchrun at once (the
+    # ranks die with torchrun) should launch.sh leave torchrun behind.
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def stop(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def console_lines(raw):
+    """What the console shows besides the progress bar: its lines, less the bar's frames
+    and the blanks tqdm leaves when it clears the bar's line to write above it."""
+    lines = []
+    for line in raw.decode().split("\n"):
+        lines += [f for f in line.split("\r") if f.strip() and not BAR.fullmatch(f)]
+    return lines
+
+
+def ranks_of(launcher):
+    """{rank: pid} of a running launch.sh: its child is torchrun, whose children are the ranks."""
+    return {rank_of(pid): pid for torchrun in children(launcher.pid) for pid in children(torchrun)}

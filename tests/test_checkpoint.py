@@ -226,8 +226,10 @@ def test_existing_run_is_refused_and_bad_checkpoints_are_named(straight, tmp_pat
     env = rank0_env()
 
     def direct(*args):
+        check = list(args[:1]) if args[:1] == ("check",) else []  # launch.sh's check: no rank runs
+        args = args[len(check) :]
         return subprocess.run(
-            [sys.executable, os.path.join(ROOT, "job.py"), *map(str, [*FAST[:2], "--out-dir", out, *args])],
+            [sys.executable, os.path.join(ROOT, "job.py"), *check, *map(str, [*FAST[:2], "--out-dir", out, *args])],
             env=env,
             capture_output=True,
             text=True,
@@ -237,11 +239,16 @@ def test_existing_run_is_refused_and_bad_checkpoints_are_named(straight, tmp_pat
     r = direct("--steps", 6)
     assert r.returncode == 2 and "already holds a run" in r.stderr and "--resume" in r.stderr
     os.remove(out / "checkpoints" / "step_4" / "train_state" / ".metadata")
-    r = direct("--steps", 6, "--resume")
+    r = direct("--steps", 6, "--resume", out / "checkpoints" / "step_4")  # a path: that one or nothing
     assert r.returncode == 2 and "incomplete" in r.stderr and ".metadata" in r.stderr, r.stderr
+    r = direct("check", "--steps", 6, "--resume")  # the newest complete one: step_2, said in one line
+    assert r.returncode == 0 and "step_4 is incomplete: train_state/.metadata is missing: passed over" in r.stderr
+    assert r.stderr.splitlines()[-1] == f"job.py: --resume: falling back to {out}/checkpoints/step_2", r.stderr
     (out / "checkpoints" / "step_2" / "trainer.json").write_text("{not json")
     r = direct("--steps", 6, "--resume", out / "checkpoints" / "step_2")
     assert r.returncode == 2 and "trainer.json" in r.stderr, r.stderr
+    r = direct("--steps", 6, "--resume")
+    assert r.returncode == 2 and "no complete checkpoint" in r.stderr and "step_2" in r.stderr, r.stderr
     r = direct("--steps", 6, "--resume", tmp_path / "nowhere")
     assert r.returncode == 2 and "incomplete" in r.stderr
     shutil.rmtree(out / "checkpoints")
