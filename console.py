@@ -48,6 +48,20 @@ def progress_bar(first, total):
     return tqdm(initial=first, total=total, desc="grpo", file=stream(), bar_format=BAR)
 
 
+def start_line(cfg, world, local_world, gpus):
+    """Rank 0's first console line: what runs where, and where the logs go."""
+
+    def n(count, word):
+        return f"{count} {word}{'s' * (count != 1)}"
+
+    where = f"{n(len(gpus), 'GPU')} ({','.join(gpus)})" if gpus else "CPU (no NVIDIA GPU found)"
+    if world > local_world:
+        where = f"{world // local_world} nodes x {where}"
+    what = "eval only" if cfg.eval_only else n(cfg.steps, "step")
+    logs = f"{VERBOSE}=1: every rank's output here" if verbose() else f"logs in {logs_dir(cfg.out_dir)}/"
+    return f"grpo: {cfg.model} on {cfg.dataset}, {what}; {n(cfg.learners, 'learner')} + {n(world - cfg.learners, 'sampler')} on {where}; {logs}"
+
+
 def say(text):
     """A line (or a few) on the console, above a progress bar if one is shown there."""
     try:

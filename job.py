@@ -456,7 +456,7 @@ def main(argv=None):
         cfg.out_dir, rank, role, rank in (0, cfg.learners), append=bool(cfg.resume) or restart > 0, restart=restart
     )
     if rank == 0:
-        console.say(start_line(cfg, world, local_world, gpus))
+        console.say(console.start_line(cfg, world, local_world, gpus))
         if cfg.dtype == "bfloat16" and not gpus and not cpu_has_bf16():
             console.warn(
                 "--dtype bfloat16 on a CPU without AVX512-BF16 or AMX: bf16 is emulated here, several times slower than float32 (README, 'Precision and memory')"
@@ -526,24 +526,6 @@ def run_role(cfg, rank, local_rank, world, place, device, store, timeout):
     for pg in (link.weights, link.rollout):
         if pg is not None:
             pg.shutdown()
-
-
-def start_line(cfg, world, local_world, gpus):
-    """Rank 0's first console line: what runs where, and where the logs go."""
-
-    def n(count, word):
-        return f"{count} {word}{'s' * (count != 1)}"
-
-    where = f"{n(len(gpus), 'GPU')} ({','.join(gpus)})" if gpus else "CPU (no NVIDIA GPU found)"
-    if world > local_world:
-        where = f"{world // local_world} nodes x {where}"
-    what = "eval only" if cfg.eval_only else n(cfg.steps, "step")
-    logs = (
-        f"{console.VERBOSE}=1: every rank's output here"
-        if console.verbose()
-        else f"logs in {console.logs_dir(cfg.out_dir)}/"
-    )
-    return f"grpo: {cfg.model} on {cfg.dataset}, {what}; {n(cfg.learners, 'learner')} + {n(world - cfg.learners, 'sampler')} on {where}; {logs}"
 
 
 if __name__ == "__main__":  # `torchrun ... job.py FLAGS`
