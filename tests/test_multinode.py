@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from conftest import FAST, ROOT
 
 SRUN = """#!/usr/bin/env bash
@@ -92,25 +94,30 @@ def test_the_slurm_script_starts_one_job_on_two_nodes(tiny_model, tmp_path):
         assert r["tokens_trained"] > 0 and r["mismatch_max"] < 1e-4  # weights reached node 1's samplers too
 
 
-def test_a_stopped_slurm_job_requeues_itself_to_continue(tmp_path):
-    """srun stands in for a job that SLURM stopped (the ranks checkpointed and exited
-    75): the script requeues the job, and every node was started with RESTARTS."""
+@pytest.mark.parametrize("status, restarts, requeued", [(75, 5, True), (1, 2, True), (1, 3, False), (0, 0, False)])
+def test_a_stopped_or_failed_slurm_job_requeues_itself_to_continue(tmp_path, status, restarts, requeued):
+    """srun stands in for the job's nodes, ending with `status` (75: SLURM stopped the job
+    and the ranks checkpointed): the script requeues a stopped job always and a failed
+    one while SLURM_RESTART_COUNT < REQUEUES (3), and every node resumes with --resume auto."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    stopped = '#!/usr/bin/env bash\necho "RESTARTS=$RESTARTS" >"$SRUN_ENV_DIR/srun.env"\nexit 75\n'
+    srun = f'#!/usr/bin/env bash\necho "$@" >"$SRUN_ENV_DIR/srun.args"\nexit {status}\n'
     scontrol = SCONTROL.replace(
         '[ "$1 $2" = "show hostnames" ] || exit 1',
         '[ "$1" = requeue ] && { echo "$2" >"$SRUN_ENV_DIR/requeued"; exit 0; }',
     )
-    for name, text in (("srun", stopped), ("scontrol", scontrol)):
+    for name, text in (("srun", srun), ("scontrol", scontrol)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": sys.executable}
     env.update(SRUN_ENV_DIR=str(tmp_path), SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="2", SLURM_SUBMIT_DIR=ROOT)
     env.update(SLURM_JOB_NODELIST="node-a,node-b", NODE_LOGS=str(tmp_path / "nodes"))
+    env.update(SLURM_RESTART_COUNT=str(restarts))
     script = os.path.join(ROOT, "recipes", "slurm.sbatch")
-    result = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert (tmp_path / "requeued").read_text().strip() == "4242"
-    assert "requeued (it continues with --resume auto)" in result.stdout
-    assert (tmp_path / "srun.env").read_text().strip() == "RESTARTS=2"
+    result = subprocess.run(["bash", script, "--steps", "9"], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == (0 if requeued else status), result.stdout + result.stderr
+    assert (tmp_path / "requeued").exists() == requeued
+    if requeued:
+        assert (tmp_path / "requeued").read_text().strip() == "4242"
+        assert "requeued (it continues with --resume auto)" in result.stdout
+    assert (tmp_path / "srun.args").read_text().split()[-3:] == ["9", "--resume", "auto"]
