@@ -21,7 +21,10 @@ of step k are exchanged, so that the samplers draw k+1 with them while the learn
 k; the first step and the final weights sync before, as at S=0. A stop (SIGTERM, SIGINT):
 a sampler answers {"stopped"} in place of its report; learners drop their step between
 micro-batches; either way learner 0 checkpoints the last complete step and sends stop (1)
-at the next go/stop flag, which every rank then meets (checkpoint.py)."""
+at the next go/stop flag, which every rank then meets (checkpoint.py). Beside the table,
+every rank beats into the job's store each second (watchdog.py): one silent for
+--hang-seconds ends the job like a crash, and under launch.sh's RESTARTS torchrun then
+restarts it from the newest checkpoint, its store keys under a prefix of its own."""
 
 import json
 import math
