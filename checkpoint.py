@@ -187,6 +187,9 @@ def save_checkpoint(cfg, learner, step, metrics, tokenizer):
             with open(os.path.join(tmp, MANIFEST), "w") as f:
                 json.dump(sizes, f)
     except (Exception, dcp_api.CheckpointException) as e:  # the latter is a BaseException
+        inner = [x for x, _ in e.failures.values()] if isinstance(e, dcp_api.CheckpointException) else [e]
+        if any(isinstance(x, dist.DistError) or console.gloo_peer_error(x) for x in inner):
+            raise  # a peer died mid-save: its failure, not this save's (console.Failures)
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         marker = os.path.join(root, "latest")

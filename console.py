@@ -191,6 +191,13 @@ def die_with_parent():
         pass  # not Linux: a killed parent may leave its children behind
 
 
+def gloo_peer_error(error):
+    """Whether error is gloo's report of a peer's broken or timed-out connection: a bare
+    RuntimeError whose message names its transport ("[.../gloo/transport/tcp/pair.cc:537]
+    Read error [...]: Connection reset by peer"). NCCL's are DistBackendError."""
+    return isinstance(error, RuntimeError) and "gloo/transport" in str(error)
+
+
 class Failures:
     """Around a rank's run: when it fails, the console shows the first failed rank of
     the job, the end of its log and the log's path, once. The first is decided by the
@@ -234,12 +241,7 @@ class Failures:
         return False
 
     def _peer_error(self, error):
-        # gloo reports a peer's broken or timed-out connection as a bare RuntimeError
-        # whose message names its transport ("[.../gloo/transport/tcp/pair.cc:537] Read
-        # error [...]: Connection reset by peer"); NCCL's are DistBackendError.
-        return isinstance(error, self.peer_errors) or (
-            isinstance(error, RuntimeError) and "gloo/transport" in str(error)
-        )
+        return isinstance(error, self.peer_errors) or gloo_peer_error(error)
 
     def _first(self):
         if self.store is None:

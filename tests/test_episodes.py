@@ -87,7 +87,9 @@ def test_every_turn_is_the_samplers_own_ids_on_a_real_chat_template(smollm2, tmp
             )
         assert e["token_ids"] == ids and e["model_mask"] == mask and e["sampler_logprobs"] == logprobs
         assert sum(m["role"] == "assistant" for m in e["turns"]) == len(drawn[i])
-    assert sum(len(d) == 3 for d in drawn.values()) >= 4, "most episodes ran their three turns"
+    # Which episodes end early (a completion cut at max_new_tokens) depends on the processor's
+    # bf16 kernels: 4 of 8 ran all three turns on an AMX Xeon, 3 on an AVX512-BF16 EPYC.
+    assert sum(len(d) == 3 for d in drawn.values()) >= 3, "several episodes ran their three turns"
     # The conversation rendered again and tokenized: other ids for some episode.
     rerendered = [_ids(tokenizer, e["turns"], False) for e in episodes]
     differ = [

@@ -169,5 +169,5 @@ def test_hostile_completions_in_a_real_run_harm_nothing(tiny_model, tmp_path, li
     everything = result.stdout + samples + (out / "metrics.jsonl").read_text()
     assert SECRET_VALUE not in everything and "deleted" not in everything
     assert open(marker).read() == SECRET_VALUE
-    assert checkpoint.find_checkpoint("latest", str(out)).endswith("step_3")  # complete, as the run wrote it
+    assert checkpoint.find_checkpoint("latest", str(out))[0].endswith("step_3")  # complete, as the run wrote it
     assert not accepted() and not survivors()
