@@ -187,8 +187,9 @@ def save_checkpoint(cfg, learner, step, metrics, tokenizer):
             with open(os.path.join(tmp, MANIFEST), "w") as f:
                 json.dump(sizes, f)
     except (Exception, dcp_api.CheckpointException) as e:  # the latter is a BaseException
-        inner = [x for x, _ in e.failures.values()] if isinstance(e, dcp_api.CheckpointException) else [e]
-        if any(isinstance(x, dist.DistError) or console.gloo_peer_error(x) for x in inner):
+        # torch.distributed.checkpoint wraps each rank's error in its own exception
+        cause = [x for x, _ in e.failures.values()] if isinstance(e, dcp_api.CheckpointException) else [e]
+        if any(isinstance(x, dist.DistError) or console.gloo_peer_error(x) for x in cause):
             raise  # a peer died mid-save: its failure, not this save's (console.Failures)
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -200,11 +201,13 @@ def save_checkpoint(cfg, learner, step, metrics, tokenizer):
             else "no earlier checkpoint exists"
         )
         # A full disk is told by the space left, not by the error: torch's writers report
-        # it as a RuntimeError about a zip position. The disk is full for this run if it
-        # cannot hold one more checkpoint the size of the last.
-        need, free = sum(file_sizes(previous).values()) if previous else 2**20, shutil.disk_usage(root).free
-        why = f"no space left on device: {free / 2**20:.1f} MB free, a checkpoint takes {need / 2**20:.1f} MB"
-        why = why if free < need else save_error(e)
+        # it as a RuntimeError about a zip position.
+        if short := disk_short(previous, root):
+            why = (
+                f"no space left on device: {short[0] / 2**20:.1f} MB free, a checkpoint takes {short[1] / 2**20:.1f} MB"
+            )
+        else:
+            why = save_error(cause[0] if cause else e)
         raise SystemExit(f"rank {rank}: checkpoint {final} not saved ({why}); {kept}")
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -220,13 +223,18 @@ def save_checkpoint(cfg, learner, step, metrics, tokenizer):
 
 
 def save_error(error):
-    """A failed save's reason in a few words, also where torch.distributed.checkpoint
-    wraps it in its own exception."""
-    if isinstance(error, dcp_api.CheckpointException) and error.failures:
-        error = next(iter(error.failures.values()))[0]
+    """A failed save's reason in a few words."""
     if isinstance(error, OSError) and error.strerror:
         return error.strerror.lower()
     return str(error).splitlines()[0]
+
+
+def disk_short(previous, folder):
+    """(free, needed) bytes where `folder`'s disk cannot hold one more checkpoint the size
+    of `previous` (1 MB where there is none yet); None where it can."""
+    need = sum(file_sizes(previous).values()) if previous else 2**20
+    free = shutil.disk_usage(folder).free
+    return (free, need) if free < need else None
 
 
 def load_checkpoint(learner, path):

@@ -467,13 +467,11 @@ def check_resume(cfg, checkpoint):
             fail(
                 f"--resume auto: {cfg.out_dir} holds a run with another config ({'; '.join(changed)}): use another --out-dir"
             )
-    if cfg.resume and cfg.save_every:
-        need = sum(checkpoint.file_sizes(cfg.resume).values())
-        free = shutil.disk_usage(cfg.out_dir).free
-        if free < need:
-            fail(
-                f"--resume auto: {cfg.out_dir} has {free / 2**20:.0f} MB free and a checkpoint takes {need / 2**20:.0f} MB: free some space (or --keep-last)"
-            )
+    if cfg.resume and cfg.save_every and (short := checkpoint.disk_short(cfg.resume, cfg.out_dir)):
+        free, need = short
+        fail(
+            f"--resume auto: {cfg.out_dir} has {free / 2**20:.0f} MB free and a checkpoint takes {need / 2**20:.0f} MB: free some space (or --keep-last)"
+        )
 
 
 def answers_read(cfg, accuracy):
