@@ -160,9 +160,14 @@ def _tail(path, lines=TAIL_LINES):
             text = f.read().decode("utf-8", "replace")
     except OSError:
         return []
-    # A progress bar's redraws are one line of '\r'-separated frames: keep the last.
+    return log_lines(text)[-lines:]
+
+
+def log_lines(text):
+    """A log's lines as a reader sees them: a progress bar's redraws are one line of
+    '\r'-separated frames, of which the last is kept; blank lines are dropped."""
     out = [line.rsplit("\r", 1)[-1] for line in text.split("\n")]
-    return [line for line in out if line.strip()][-lines:]
+    return [line for line in out if line.strip()]
 
 
 def failure_block(who, path, lines=TAIL_LINES):

@@ -147,10 +147,9 @@ def last_line(path, n):
     restarts, and each attempt starts with a header naming it (console.setup)."""
     try:
         with open(path, errors="replace") as f:
-            lines = f.read().splitlines()
+            lines = console.log_lines(f.read())
     except OSError:
         return ""
     header = f", restart {n}:"
     cut = next((i for i, line in enumerate(lines) if line.startswith("rank ") and header in line), len(lines))
-    text = [line.split("\r")[-1].strip() for line in lines[:cut]]
-    return next((line for line in reversed(text) if line), "")
+    return lines[cut - 1].strip() if cut else ""
