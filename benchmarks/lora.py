@@ -37,10 +37,11 @@ def processor():
     return platform.processor()
 
 
-def run_row(flags, steps):
-    """One launch.sh run: (final held-out accuracy, first, wall seconds)."""
+def run_row(flags, steps, keep):
+    """One launch.sh run: (final held-out accuracy, first, wall seconds, metrics rows).
+    keep: a folder to leave the run in (its metrics.jsonl), else a temporary one."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "run")
+        out = keep or os.path.join(tmp, "run")
         cmd = ["bash", "launch.sh", "--out-dir", out, "--steps", str(steps), "--eval-every", str(steps)]
         cmd += ["--samples-every", "0", *flags.split()]
         start = time.time()
@@ -48,28 +49,42 @@ def run_row(flags, steps):
         wall = time.time() - start
         if result.returncode != 0:
             print(result.stdout[-3000:])
-            return None, None, wall
+            return None, None, wall, []
         rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
         evals = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
-        return evals[-1], evals[0], wall
+        return evals[-1], evals[0], wall, [r for r in rows if "grad_norm" in r]
+
+
+def median(values):
+    return sorted(values)[len(values) // 2] if values else float("nan")
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--only", default="", help="comma-separated row names of the sweep")
+    parser.add_argument("--keep", default="", help="leave each row's run in KEEP/<row name>")
     parser.add_argument("rows", nargs="*", help='name="flags" rows instead of the sweep')
     args = parser.parse_args()
     rows = [tuple(r.split("=", 1)) for r in args.rows] or ROWS
     if args.only:
         rows = [r for r in rows if r[0] in args.only.split(",")]
     print(f"{datetime.date.today()}, {processor()}, {os.cpu_count()} cores, {args.steps} steps, tiny default")
-    print("| row | flags | held-out start | held-out end | wall s |")
-    print("|---|---|---|---|---|")
+    # The off-policy drift and the step sizes, for telling a collapse from slow learning:
+    # the largest per-step mean |log pi_learner - log pi_sampler|, and the median and
+    # largest gradient norm before clipping.
+    print("| row | flags | held-out start | held-out end | max mismatch_mean | grad norm median, max | wall s |")
+    print("|---|---|---|---|---|---|---|")
     for name, flags in rows:
-        end, first, wall = run_row(flags, args.steps)
+        keep = os.path.join(args.keep, name.replace(" ", "_")) if args.keep else ""
+        end, first, wall, train = run_row(flags, args.steps, keep)
         shown = f"{first:.3f} | {end:.3f}" if end is not None else "failed | failed"
-        print(f"| {name} | `{flags or '(full fine-tuning)'}` | {shown} | {wall:.0f} |", flush=True)
+        drift = max((r.get("mismatch_mean", float("nan")) for r in train), default=float("nan"))
+        norms = [r["grad_norm"] for r in train]
+        grads = f"{median(norms):.2f}, {max(norms, default=float('nan')):.2f}"
+        print(
+            f"| {name} | `{flags or '(full fine-tuning)'}` | {shown} | {drift:.3f} | {grads} | {wall:.0f} |", flush=True
+        )
 
 
 if __name__ == "__main__":
