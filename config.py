@@ -57,7 +57,7 @@ class Config:
     overlong: str = "none"  # completions cut at --max-new-tokens: none | mask (out of the loss) | penalty (DAPO)
     overlong_buffer: int | None = None  # penalty ramp length in tokens; None: max-new-tokens // 4
     # ---- the optimizer
-    lr: float | None = None  # AdamW's learning rate; None: per model
+    lr: float | None = None  # AdamW's learning rate (with LoRA, A's); None: per model (x LORA_LR with LoRA)
     warmup_steps: int = 10  # linear learning-rate warm-up, then constant
     weight_decay: float = 0.0  # AdamW's weight decay
     max_grad_norm: float = 1.0  # the gradient norm is clipped to this
@@ -69,8 +69,9 @@ class Config:
     compile: bool = False  # torch.compile the learner's blocks, and on CPU vLLM's model too; the first steps compile
     dtype: str | None = None  # bfloat16 | float32 | float16 (loss-scaled); None: bf16 where native (precision)
     lora_rank: int = 0  # > 0: train LoRA adapters of this rank on --lora-targets (the base stays frozen)
-    lora_alpha: float | None = None  # adapter scale alpha / rank; None: 2 x rank
+    lora_alpha: float = 32.0  # the adapters' output scales by alpha / rank: a fixed alpha keeps one lr right for every rank
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # linear layers given adapters
+    lora_b_lr: float = 16.0  # the adapters' B learn at this multiple of --lr, A at --lr (LoRA+; LORA_LR has why)
     # ---- the samplers and the sync
     sampler_gpu_memory: float | None = None  # vLLM's GPU fraction; None: 0.8 of a GPU alone, 0.3 beside a learner
     sampler_kv_cache_gb: float = 1.0  # vLLM's KV cache size (CPU only)
@@ -116,6 +117,12 @@ MODEL_DEFAULTS = {
     "beta": (0.1, 0.04),
     "drop_uniform_groups": (True, False),
 }
+# With --lora-rank and no --lr, the adapters' A learn at LORA_LR x the model's full fine-
+# tuning lr, and B at --lora-b-lr x that: 0.5x and 8x on the tiny default. B starts at zero,
+# so at first it alone moves the output, at a rate set by A's fixed random rows; a fast A
+# turns those rows under what B has learnt (Hayou et al., 2024, LoRA+). Equal rates learned
+# later than full fine-tuning at every lr tried, and collapsed above 3x (docs/results.md, LoRA).
+LORA_LR = 0.5
 # Each --mismatch correction's default band (low, high) on pi_learner / pi_sampler: TIS's
 # cap of 2 (Yao et al., 2025), IcePop's [0.5, 5] (Ling team, 2025), and SkyRL's advice of
 # about 1 +- 0.01 for a sequence's geometric mean.
@@ -209,9 +216,12 @@ def resolve(cfg, world_size, has_gpu, cpu_bf16=False, network=False):
     cfg.model = cfg.model or (HUB_MODEL if has_gpu else "tiny")
     if cfg.teacher and cfg.drop_uniform_groups is None:  # a group of equal rewards still learns from the teacher
         cfg.drop_uniform_groups = False
+    lr_given = cfg.lr is not None
     for name, (for_tiny, for_others) in MODEL_DEFAULTS.items():
         if getattr(cfg, name) is None:
             setattr(cfg, name, for_tiny if cfg.model == "tiny" else for_others)
+    if cfg.lora_rank and not lr_given:
+        cfg.lr *= LORA_LR
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         fail(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
     cfg.dtype = precision(cfg.dtype, has_gpu, cpu_bf16)
@@ -219,7 +229,6 @@ def resolve(cfg, world_size, has_gpu, cpu_bf16=False, network=False):
     cfg.overlong_buffer = cfg.max_new_tokens // 4 if cfg.overlong_buffer is None else cfg.overlong_buffer
     if cfg.max_tokens_per_microbatch is None:  # room for one whole sequence at least
         cfg.max_tokens_per_microbatch = max(4096, cfg.max_prompt_len + cfg.max_new_tokens)
-    cfg.lora_alpha = 2.0 * cfg.lora_rank if cfg.lora_alpha is None else cfg.lora_alpha
     if cfg.tis_cap and cfg.mismatch in ("none", "tis") and cfg.mismatch_high is None:  # the shorthand
         cfg.mismatch, cfg.mismatch_high = "tis", cfg.tis_cap
     low, high = MISMATCH_BANDS.get(cfg.mismatch, (None, None))
@@ -315,6 +324,7 @@ def memory_rules(cfg, world_size, has_gpu):
         f"--max-tokens-per-microbatch {cfg.max_tokens_per_microbatch} cannot hold one sequence of --max-prompt-len + --max-new-tokens ({seq}) tokens",
     )
     yield from at_least(cfg, micro_batch_size=1, max_tokens_per_microbatch=0, logprob_chunk=0, lora_rank=0)
+    yield (cfg.lora_b_lr > 0, f"--lora-b-lr must be > 0 (a multiple of --lr), got {cfg.lora_b_lr}")
     yield (
         not cfg.compile or has_gpu or any(shutil.which(c) for c in ("g++", "c++", "clang++")),
         "--compile on a CPU needs a C++ compiler (g++ or clang++) for torch.compile's kernels: install one or drop it",
@@ -322,6 +332,11 @@ def memory_rules(cfg, world_size, has_gpu):
     yield (
         not cfg.lora_rank or any(cfg.lora_targets.split(",")),
         "--lora-targets must name at least one linear layer, e.g. q_proj,v_proj",
+    )
+    outer = sorted({"embed_tokens", "lm_head"} & set(cfg.lora_targets.split(",")))
+    yield (
+        not cfg.lora_rank or not outer,
+        f"--lora-targets {','.join(outer)}: adapters go on the blocks' linear layers only, the embeddings and the output layer stay frozen (the tiny default learns as well with them frozen: docs/results.md, LoRA)",
     )
 
 

@@ -168,6 +168,7 @@ def learner_from_config(cfg, path, mesh, device, engine_dtypes):
         warmup_steps=cfg.warmup_steps,
         compute_dtype=getattr(torch, cfg.dtype),
         lora=adapters,
+        lora_b_lr=cfg.lora_b_lr,
         logprob_chunk=cfg.logprob_chunk,
         teacher=cfg.teacher,
         compile=cfg.compile,
@@ -189,6 +190,7 @@ class Learner:
         compute_dtype=torch.float32,
         logprob_chunk=1024,
         lora=None,
+        lora_b_lr=1.0,
         teacher=None,
         compile=False,
         kept_dtypes=None,
@@ -214,7 +216,12 @@ class Learner:
         # Losses are normalised by whole-step counts already, so the learners' gradients
         # must be summed; FSDP averages them, so each backward is scaled by the count.
         self.grad_scale = mesh.size()
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+        # LoRA+ (Hayou et al., 2024): B starts at zero and alone moves the output at first,
+        # so it may learn faster than A; the schedule scales both groups alike.
+        b_params = [p for n, p in self.model.named_parameters() if p.requires_grad and n.endswith(".lora_B")]
+        groups = [{"params": [p for p in self.trainable if all(p is not b for b in b_params)]}]
+        groups += [{"params": b_params, "lr": lr * lora_b_lr}] if b_params else []
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
         # float16's 5 exponent bits flush small gradients to zero in the backward: the loss
         # is scaled up first, the float32 gradients unscaled before clipping, and the
         # scale halves after a step whose gradients overflowed (that step is skipped).

@@ -2,6 +2,7 @@
 (tests/plugins/smollm2.py) on a task it can score on from its start, in bf16 and in float32.
 
     python benchmarks/real_model.py [--steps 40] [extra job.py flags]
+    python benchmarks/real_model.py --lora R [--steps 20]   # bf16 full fine-tuning against LoRA rank R
 
 The task: "Is 14 + 15 = 27? Answer yes or no." Rewards: `yes_no_format`, 1 when the whole
 reply is one word, yes or no (the model does so often enough at its start for groups to
@@ -10,7 +11,10 @@ on CPU: it solves almost none greedily and never writes '#### N', so every group
 score alike (docs/results.md, Learning).
 Each run is `bash launch.sh` with 1 learner + 1 sampler; printed per step: the reward, the
 seconds, and the sampler/learner log-prob mismatch (mean and max over the step's tokens),
-then the held-out greedy evals."""
+then the held-out greedy evals and the learner's peak memory.
+With --lora R the two runs are bf16 full fine-tuning and bf16 LoRA at rank R, with LoRA's
+defaults (its learning rate among them) for the second, so the curves compare the
+configuration `--lora-rank R` gets."""
 
 import json
 import os
@@ -59,6 +63,14 @@ def main():
     if "--steps" in args:
         steps = args.pop(args.index("--steps") + 1)
         args.remove("--steps")
+    runs = {"bfloat16": ["--dtype", "bfloat16"], "float32": ["--dtype", "float32"]}
+    if "--lora" in args:
+        rank = args.pop(args.index("--lora") + 1)
+        args.remove("--lora")
+        runs = {
+            "full, bf16": ["--dtype", "bfloat16"],
+            f"LoRA r{rank}, bf16": ["--dtype", "bfloat16", "--lora-rank", rank],
+        }
     if reason := missing_requirements():
         sys.exit(reason)
     model = smollm2_model()
@@ -68,24 +80,27 @@ def main():
         write_task(train, 4000, seed=0)
         write_task(test, 64, seed=1)
         flags = ["--model", model, "--dataset", train, "--eval-dataset", test, "--rewards", rewards, "--steps", steps]
+        # lr 1e-5 is full fine-tuning's: LoRA's runs scale it by its own default (config.py)
         flags += "--prompts-per-step 16 --group-size 4 --max-new-tokens 16 --lr 1e-5 --warmup-steps 0".split()
         flags += "--beta 0 --max-staleness 0 --eval-every 10 --eval-size 64".split()
         results = {}
-        for dtype in ("bfloat16", "float32"):
-            out = os.path.join(tmp, dtype)
+        for name, run_flags in runs.items():
+            out = os.path.join(tmp, str(len(results)))
             env = {**os.environ, "NPROC": "2", "LEARNERS": "1"}
             start = time.time()
-            cmd = ["bash", "launch.sh", *flags, "--dtype", dtype, *args, "--out-dir", out]
+            cmd = ["bash", "launch.sh", *flags, *run_flags, *args, "--out-dir", out]
             result = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             if result.returncode:
                 print(result.stdout[-4000:])
-                sys.exit(f"{dtype}: launch.sh failed with exit code {result.returncode}")
+                sys.exit(f"{name}: launch.sh failed with exit code {result.returncode}")
             rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-            results[dtype] = (rows, time.time() - start)
+            results[name] = (rows, time.time() - start)
     print("processor:", processor())
-    for dtype, (rows, wall) in results.items():
+    for name, (rows, wall) in results.items():
         train = [r for r in rows if "loss" in r]
-        print(f"\n{dtype}: {len(train)} steps, {wall:.0f} s wall (engine and model loads included)")
+        peak = max(r["peak_memory_mb_learner"] for r in train)
+        print(f"\n{name}: {len(train)} steps, {wall:.0f} s wall (engine and model loads included)")
+        print(f"learner peak memory {peak:.0f} MB, lr {train[0]['lr']:.2g} at step 0")
         print("step  reward  format  accuracy  step_s  mismatch_mean  mismatch_max")
         for r in train:
             fmt, acc = (r.get(f"reward_benchmarks.real_model:yes_no_{k}", float("nan")) for k in ("format", "accuracy"))

@@ -124,6 +124,17 @@ def smollm2(grpo_cache):
     return path
 
 
+@pytest.fixture
+def gloo_world():
+    """This process as a one-rank gloo group, for a Learner built in the test itself."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 def refusal(capsys, args, world_size=3):
     """The one line (and exit status 2) a config is refused with, before any model loads."""
     from config import parse_config, resolve

@@ -15,10 +15,9 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 from hybrid_models import build_tiny_qwen3_5_composite, build_tiny_qwen3_next
 
-from conftest import FAST, free_port, rows, torchrun
+from conftest import FAST, rows, torchrun
 from models import checkpoint_files, is_hybrid, text_to_checkpoint, weight_plan
 
 TOL = 1e-2  # mean |sampler - learner| log-prob in bf16; a missed or wrong sync gives 1e-1 and more
@@ -88,14 +87,6 @@ def test_text_names_map_by_stored_names_alone():
     # 'norm.weight' alone would also fit vision_tower.: the other names decide.
     with pytest.raises(ValueError, match="cannot place model"):
         text_to_checkpoint(["model.norm.weight"], ["a.norm.weight", "b.norm.weight"])
-
-
-@pytest.fixture
-def gloo_world():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("which", ["composite", "tied_composite"])

@@ -68,9 +68,49 @@ def test_peft_format(tiny_model, tmp_path):
     assert len(tensors) == 2 * len(names)
 
 
+def test_lora_rank_alone_gets_loras_learning_rates_and_the_outer_layers_are_refused(capsys):
+    """--lora-rank R alone: A at LORA_LR x full fine-tuning's lr, B at 16x that, alpha 32
+    for any rank; a given --lr is A's as given. Adapters on the embeddings or the output
+    layer are refused in one line, before any model loads."""
+    from config import LORA_LR, parse_config, resolve
+    from conftest import refusal
+
+    def resolved(args):
+        cfg = resolve(parse_config([*args.split(), "--out-dir", "/nonexistent/run"]), world_size=3, has_gpu=False)
+        return cfg.lr, cfg.lora_b_lr, cfg.lora_alpha
+
+    full_lr = resolved("")[0]
+    assert resolved("--lora-rank 16") == resolved("--lora-rank 1")[:2] + (32.0,) == (LORA_LR * full_lr, 16.0, 32.0)
+    assert resolved("--lora-rank 16 --lr 2e-4 --lora-b-lr 4 --lora-alpha 8") == (2e-4, 4.0, 8.0)
+    assert resolved("--lr 2e-4") == (2e-4, 16.0, 32.0)  # full fine-tuning has no B: the flag is inert
+    assert "--lora-targets lm_head:" in refusal(capsys, "--lora-rank 4 --lora-targets q_proj,lm_head")
+    assert "--lora-targets embed_tokens:" in refusal(capsys, "--lora-rank 4 --lora-targets embed_tokens")
+    assert "--lora-b-lr must be > 0" in refusal(capsys, "--lora-rank 4 --lora-b-lr 0")
+
+
+def test_adams_first_step_moves_b_at_lora_b_lr_times_as_far_as_a(tiny_model, gloo_world):
+    """LoRA+'s two learning rates are two optimizer groups: with every gradient 1, Adam's
+    first step moves each A entry by lr and each B entry by lora_b_lr x lr."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from learner import Learner
+
+    adapters = (4, 32.0, lora.DEFAULT_TARGETS)
+    learner = Learner(tiny_model, init_device_mesh("cpu", (1,)), torch.device("cpu"), 1e-3, lora=adapters, lora_b_lr=16)
+    before = {n: p.detach().full_tensor().clone() for n, p in learner.model.named_parameters() if p.requires_grad}
+    for p in learner.trainable:
+        p.grad = torch.ones_like(p)
+    learner.optimizer.step()
+    for n, p in learner.model.named_parameters():
+        if p.requires_grad:
+            step = (p.detach().full_tensor() - before[n]).abs()
+            want = 1.6e-2 if n.endswith("lora_B") else 1e-3
+            assert torch.allclose(step, torch.full_like(step, want), rtol=1e-4), (n, step.max().item())
+
+
 # On top of test_checkpoint's short float32 run (FAST): a KL, whose reference is the
-# adapters switched off, and a larger step.
-LORA = ["--beta", 0.1, "--lr", 1e-2, "--lora-rank", 4]
+# adapters switched off, and LoRA's own learning rates.
+LORA = ["--beta", 0.1, "--lora-rank", 4]
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ CONFIGS = {
     "seq_mask": {"mismatch": "seq-mask", "mismatch_low": 0.002, "mismatch_high": 2.0},
     "cispo": {"objective": "cispo", "epsilon_high": 2.0, "loss_type": "bnpo"},
     "sapo": {"objective": "sapo", "importance": "sequence"},
-    "lora": {"lora_rank": 4, "beta": 0.1},  # the KL reference is the adapters switched off
+    "lora": {"lora_rank": 4, "lora_alpha": 8.0, "beta": 0.1},  # the KL reference is the adapters switched off
     # Episodes: environment ids inside the completions (model_mask 0) with log-probs that
     # no sampler would give (+5): they carry no loss, so "episodes_env0", the same
     # rollouts with 0 there, must step the same.
