@@ -69,7 +69,7 @@ class Config:
     compile: bool = False  # torch.compile the learner's blocks, and on CPU vLLM's model too; the first steps compile
     dtype: str | None = None  # bfloat16 | float32 | float16 (loss-scaled); None: bf16 where native (precision)
     lora_rank: int = 0  # > 0: train LoRA adapters of this rank on --lora-targets (the base stays frozen)
-    lora_alpha: float = 32.0  # the adapters' output scales by alpha / rank: a fixed alpha keeps one lr right for every rank
+    lora_alpha: float = 32.0  # the adapters scale by alpha / rank: a fixed alpha keeps one lr right across ranks
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # linear layers given adapters
     lora_b_lr: float = 16.0  # the adapters' B learn at this multiple of --lr, A at --lr (LoRA+; LORA_LR has why)
     # ---- the samplers and the sync

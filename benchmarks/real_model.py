@@ -26,6 +26,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LR = 1e-5  # full fine-tuning's, for this model and task
 sys.path.insert(0, ROOT)
 
 
@@ -56,6 +57,7 @@ def write_task(path, n, seed):
 
 
 def main():
+    from config import LORA_LR
     from tests.plugins.smollm2 import missing_requirements, smollm2_model
 
     args = sys.argv[1:]
@@ -69,7 +71,8 @@ def main():
         args.remove("--lora")
         runs = {
             "full, bf16": ["--dtype", "bfloat16"],
-            f"LoRA r{rank}, bf16": ["--dtype", "bfloat16", "--lora-rank", rank],
+            # LoRA's A at LORA_LR x full fine-tuning's lr, as with no --lr (B at --lora-b-lr x that)
+            f"LoRA r{rank}, bf16": ["--dtype", "bfloat16", "--lora-rank", rank, "--lr", f"{LR * LORA_LR:g}"],
         }
     if reason := missing_requirements():
         sys.exit(reason)
@@ -80,8 +83,7 @@ def main():
         write_task(train, 4000, seed=0)
         write_task(test, 64, seed=1)
         flags = ["--model", model, "--dataset", train, "--eval-dataset", test, "--rewards", rewards, "--steps", steps]
-        # lr 1e-5 is full fine-tuning's: LoRA's runs scale it by its own default (config.py)
-        flags += "--prompts-per-step 16 --group-size 4 --max-new-tokens 16 --lr 1e-5 --warmup-steps 0".split()
+        flags += f"--prompts-per-step 16 --group-size 4 --max-new-tokens 16 --lr {LR:g} --warmup-steps 0".split()
         flags += "--beta 0 --max-staleness 0 --eval-every 10 --eval-size 64".split()
         results = {}
         for name, run_flags in runs.items():

@@ -3,13 +3,11 @@ per-parameter wire dtypes, and the learner really computing in bf16 over float32
 weights (a real FSDP2 learner on the tiny model)."""
 
 import math
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from comm import bucket_plan, free_port, plan_bytes, wire_dtype
+from comm import bucket_plan, plan_bytes, wire_dtype
 from config import cpu_has_bf16, precision
 
 
@@ -58,14 +56,6 @@ def test_parameters_kept_in_float32_travel_in_float32():
     assert plan_bytes(buckets) == 2 * 16 * 4 + 4 * 16 * 2
     # Buckets still close at the byte budget within one dtype.
     assert len(bucket_plan(plan, lambda name: torch.bfloat16, bucket_bytes=32)) == 6
-
-
-@pytest.fixture
-def gloo_world():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
