@@ -2,7 +2,7 @@
 (tests/plugins/smollm2.py) on a task it can score on from its start, in bf16 and in float32.
 
     python benchmarks/real_model.py [--steps 40] [extra job.py flags]
-    python benchmarks/real_model.py --lora R [--steps 20]   # bf16 full fine-tuning against LoRA rank R
+    python benchmarks/real_model.py --lora R [--steps 20]   # full fine-tuning against LoRA rank R
 
 The task: "Is 14 + 15 = 27? Answer yes or no." Rewards: `yes_no_format`, 1 when the whole
 reply is one word, yes or no (the model does so often enough at its start for groups to
@@ -12,7 +12,7 @@ score alike (docs/results.md, Learning).
 Each run is `bash launch.sh` with 1 learner + 1 sampler; printed per step: the reward, the
 seconds, and the sampler/learner log-prob mismatch (mean and max over the step's tokens),
 then the held-out greedy evals and the learner's peak memory.
-With --lora R the two runs are bf16 full fine-tuning and bf16 LoRA at rank R, with LoRA's
+With --lora R the two runs are full fine-tuning and LoRA at rank R, in the default dtype, with LoRA's
 defaults (its learning rate among them) for the second, so the curves compare the
 configuration `--lora-rank R` gets."""
 
@@ -69,11 +69,9 @@ def main():
     if "--lora" in args:
         rank = args.pop(args.index("--lora") + 1)
         args.remove("--lora")
-        runs = {
-            "full, bf16": ["--dtype", "bfloat16"],
-            # LoRA's A at LORA_LR x full fine-tuning's lr, as with no --lr (B at --lora-b-lr x that)
-            f"LoRA r{rank}, bf16": ["--dtype", "bfloat16", "--lora-rank", rank, "--lr", f"{LR * LORA_LR:g}"],
-        }
+        # Each in the default dtype: bf16 where the CPU has it natively, else float32. LoRA's A
+        # at LORA_LR x full fine-tuning's lr, as with no --lr (B at --lora-b-lr x that).
+        runs = {"full": [], f"LoRA r{rank}": ["--lora-rank", rank, "--lr", f"{LR * LORA_LR:g}"]}
     if reason := missing_requirements():
         sys.exit(reason)
     model = smollm2_model()
@@ -96,12 +94,13 @@ def main():
                 print(result.stdout[-4000:])
                 sys.exit(f"{name}: launch.sh failed with exit code {result.returncode}")
             rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-            results[name] = (rows, time.time() - start)
+            dtype = json.load(open(os.path.join(out, "run.json")))["config"]["dtype"]
+            results[name] = (rows, time.time() - start, dtype)
     print("processor:", processor())
-    for name, (rows, wall) in results.items():
+    for name, (rows, wall, dtype) in results.items():
         train = [r for r in rows if "loss" in r]
         peak = max(r["peak_memory_mb_learner"] for r in train)
-        print(f"\n{name}: {len(train)} steps, {wall:.0f} s wall (engine and model loads included)")
+        print(f"\n{name}, {dtype}: {len(train)} steps, {wall:.0f} s wall (engine and model loads included)")
         print(f"learner peak memory {peak:.0f} MB, lr {train[0]['lr']:.2g} at step 0")
         print("step  reward  format  accuracy  step_s  mismatch_mean  mismatch_max")
         for r in train:
