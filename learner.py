@@ -218,8 +218,9 @@ class Learner:
         self.grad_scale = mesh.size()
         # LoRA+ (Hayou et al., 2024): B starts at zero and alone moves the output at first,
         # so it may learn faster than A; the schedule scales both groups alike.
-        b_params = [p for n, p in self.model.named_parameters() if p.requires_grad and n.endswith(".lora_B")]
-        groups = [{"params": [p for p in self.trainable if all(p is not b for b in b_params)]}]
+        trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        b_params = [p for n, p in trainable if n.endswith(".lora_B")]
+        groups = [{"params": [p for n, p in trainable if not n.endswith(".lora_B")]}]
         groups += [{"params": b_params, "lr": lr * lora_b_lr}] if b_params else []
         self.optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
         # float16's 5 exponent bits flush small gradients to zero in the backward: the loss

@@ -13,6 +13,7 @@ import time
 
 import pytest
 from safetensors.torch import load_file
+from test_checkpoint import latest
 
 from conftest import FAST, ROOT, console_lines, launch, rank0_env, ranks_of, refusal, rows, stop
 
@@ -41,11 +42,6 @@ def ranks(proc):
         return ranks_of(proc)
     except (FileNotFoundError, ProcessLookupError, KeyError):
         return {}
-
-
-def latest(out):
-    marker = out / "checkpoints" / "latest"
-    return marker.read_text().strip() if marker.exists() else None
 
 
 def final_weights(out):
